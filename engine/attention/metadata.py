@@ -1,0 +1,34 @@
+"""Per-step attention metadata: where each new token's K/V goes and what each sequence attends to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flattened description of one step's batch, shared by every layer and every backend.
+
+    The step's tokens are laid out sequence after sequence: sequence ``i`` owns the query rows
+    ``query_start_loc[i]:query_start_loc[i + 1]``. Those rows are the *last* ``query_len`` tokens
+    of a context of ``seq_lens[i]`` tokens, so query row ``r`` of sequence ``i`` sits at position
+    ``seq_lens[i] - query_len + r`` and attends causally to positions ``0..`` that position.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset)
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32: physical blocks, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
