@@ -1,0 +1,53 @@
+"""``e2e/cluster`` subcommands: build, up, env, status, down."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from . import build
+from .cluster import Cluster
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="e2e/cluster", description="the llmpool e2e Kubernetes cluster"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("build", help="build (or find cached) etcd, kube-* and helm binaries")
+    sub.add_parser("up", help="start etcd, the control plane and the kubelet; wait until ready")
+    sub.add_parser(
+        "env", help='print shell exports for kubectl and helm: eval "$(e2e/cluster env)"'
+    )
+    sub.add_parser("status", help="show which components run; exit 1 unless all are up")
+    sub.add_parser("down", help="stop everything and remove the state (logs are kept)")
+    args = parser.parse_args()
+    cluster = Cluster()
+
+    try:
+        if args.command == "build":
+            print(build.ensure_binaries())
+        elif args.command == "up":
+            cluster.up()
+            print(f"export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}")
+        elif args.command == "env":
+            for key, value in cluster.env().items():
+                print(f"export {key}={shlex.quote(value)}")
+        elif args.command == "status":
+            states = cluster.component_status()
+            for name, ok in states.items():
+                print(f"{name:24} {'running' if ok else 'stopped'}")
+            ready = cluster.running()
+            print(f"{'apiserver /readyz':24} {'ok' if ready else 'not ready'}")
+            return 0 if ready else 1
+        elif args.command == "down":
+            cluster.down()
+    except (build.BuildError, RuntimeError, TimeoutError) as err:
+        print(f"e2e/cluster {args.command}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Build etcd, the Kubernetes control-plane binaries and helm from the Go module proxy.
+
+Each component is built from a small generated wrapper module under
+``<cache>/src/<component>-<version>/`` and installed into ``<cache>/bin/<component>-<version>/``.
+A finished build leaves a ``.complete`` marker, so later runs only check for it and take
+no time at all.
+
+k8s.io/kubernetes cannot be required as an ordinary dependency: its go.mod points every
+``k8s.io/<staging>`` module at ``./staging/src/...`` and requires it at v0.0.0. The wrapper
+therefore replaces each staging module with the published ``v0.<minor>.<patch>`` tag of the
+same release, read from the upstream go.mod so the list never goes stale.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import versions
+
+KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+
+
+class BuildError(RuntimeError):
+    """A component could not be downloaded or compiled."""
+
+
+@dataclass(frozen=True)
+class Binaries:
+    """Paths of every binary the control plane and the tests need."""
+
+    etcd: Path
+    kube_apiserver: Path
+    kube_controller_manager: Path
+    kube_scheduler: Path
+    helm: Path
+
+    @property
+    def bin_dirs(self) -> list[Path]:
+        return sorted({p.parent for p in (self.etcd, self.kube_apiserver, self.helm)})
+
+
+def _log(msg: str) -> None:
+    print(f"[e2e build] {msg}", file=sys.stderr, flush=True)
+
+
+def _go_env() -> dict[str, str]:
+    env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod -buildvcs=false")
+    # Two cores are common on CI runners; keep the compiler from starving everything else.
+    env.setdefault("GOMAXPROCS", str(max(1, min(4, os.cpu_count() or 2))))
+    return env
+
+
+def _go(args: list[str], cwd: Path, what: str) -> None:
+    if shutil.which("go") is None:
+        raise BuildError(
+            "the `go` toolchain is not on PATH; it is needed to build the e2e binaries"
+        )
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["go", *args], cwd=cwd, env=_go_env(), capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise BuildError(
+            f"{what} failed (go {' '.join(args[:2])} in {cwd}):\n{proc.stderr[-6000:]}"
+        )
+    _log(f"{what}: {time.monotonic() - started:.0f}s")
+
+
+def _download(cwd: Path, what: str) -> None:
+    """Resolve and fetch every module first, so a missing one fails before compiling."""
+    try:
+        _go(["mod", "tidy"], cwd, f"download modules for {what}")
+    except BuildError as err:
+        missing = re.findall(r"(\S+@\S+): (?:reading|verifying|invalid version)[^\n]*", str(err))
+        hint = f"cannot download {', '.join(sorted(set(missing)))}\n" if missing else ""
+        raise BuildError(f"{hint}{err}") from None
+
+
+def _proxy_url() -> str:
+    proxy = (
+        os.environ.get("GOPROXY")
+        or subprocess.run(
+            ["go", "env", "GOPROXY"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    )
+    for entry in re.split(r"[,|]", proxy):
+        if entry.startswith("http"):
+            return entry.rstrip("/")
+    raise BuildError(f"no HTTP module proxy in GOPROXY={proxy!r}")
+
+
+def staging_modules(kube_version: str) -> list[str]:
+    """The k8s.io staging modules that k8s.io/kubernetes@kube_version replaces locally."""
+    url = f"{_proxy_url()}/k8s.io/kubernetes/@v/{kube_version}.mod"
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp:
+            gomod = resp.read().decode()
+    except OSError as err:
+        raise BuildError(
+            f"cannot download k8s.io/kubernetes@{kube_version} go.mod: {err}"
+        ) from None
+    return re.findall(r"^\s*(k8s\.io/[\w.-]+) => \./staging/", gomod, re.MULTILINE)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _tools_go(imports: list[str]) -> str:
+    """A build-tagged file that makes `go mod tidy` pin the modules of the commands."""
+    lines = "\n".join(f'\t_ "{imp}"' for imp in imports)
+    return f"//go:build tools\n\npackage tools\n\nimport (\n{lines}\n)\n"
+
+
+def _bin_dir(component: str, version: str) -> Path:
+    return versions.cache_dir() / "bin" / f"{component}-{version}"
+
+
+def _src_dir(component: str, version: str) -> Path:
+    return versions.cache_dir() / "src" / f"{component}-{version}"
+
+
+def _is_built(out: Path) -> bool:
+    return (out / ".complete").exists()
+
+
+def _finish(out: Path) -> None:
+    (out / ".complete").write_text(dt.datetime.now(dt.UTC).isoformat())
+
+
+def build_kubernetes(version: str = versions.KUBERNETES) -> Path:
+    out = _bin_dir("kubernetes", version)
+    if _is_built(out):
+        return out
+    src = _src_dir("kubernetes", version)
+    major, minor, patch = version.lstrip("v").split(".")
+    replaces = "\n".join(f"\t{mod} => {mod} v0.{minor}.{patch}" for mod in staging_modules(version))
+    _write(
+        src / "go.mod",
+        f"module llmpool.local/e2e/kubernetes\n\ngo 1.23.0\n\n"
+        f"require k8s.io/kubernetes {version}\n\nreplace (\n{replaces}\n)\n",
+    )
+    cmds = [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS]
+    _write(src / "tools.go", _tools_go(cmds))
+    _download(src, f"kubernetes {version}")
+    build_date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    pkg = "k8s.io/component-base/version"
+    ldflags = " ".join(
+        [
+            "-s -w",
+            f"-X {pkg}.gitVersion={version}",
+            f"-X {pkg}.gitMajor={major}",
+            f"-X {pkg}.gitMinor={minor}",
+            f"-X {pkg}.gitTreeState=clean",
+            f"-X {pkg}.buildDate={build_date}",
+        ]
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    _go(
+        ["build", "-trimpath", "-ldflags", ldflags, "-o", str(out), *cmds],
+        src,
+        f"compile {', '.join(KUBE_COMMANDS)}",
+    )
+    _finish(out)
+    return out
+
+
+def build_etcd(version: str = versions.ETCD) -> Path:
+    out = _bin_dir("etcd", version)
+    if _is_built(out):
+        return out
+    src = _src_dir("etcd", version)
+    _write(
+        src / "go.mod",
+        f"module llmpool.local/e2e/etcd\n\ngo 1.23.0\n\nrequire go.etcd.io/etcd/server/v3 {version}\n",
+    )
+    _write(
+        src / "main.go",
+        "// Command etcd runs the etcd server from go.etcd.io/etcd/server/v3.\n"
+        'package main\n\nimport (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\n'
+        "func main() { etcdmain.Main(os.Args) }\n",
+    )
+    _download(src, f"etcd {version}")
+    out.mkdir(parents=True, exist_ok=True)
+    _go(
+        ["build", "-trimpath", "-ldflags", "-s -w", "-o", str(out / "etcd"), "."],
+        src,
+        "compile etcd",
+    )
+    _finish(out)
+    return out
+
+
+def build_helm(version: str = versions.HELM) -> Path:
+    out = _bin_dir("helm", version)
+    if _is_built(out):
+        return out
+    src = _src_dir("helm", version)
+    cmd = "helm.sh/helm/v3/cmd/helm"
+    _write(
+        src / "go.mod",
+        f"module llmpool.local/e2e/helm\n\ngo 1.23.0\n\nrequire helm.sh/helm/v3 {version}\n",
+    )
+    _write(src / "tools.go", _tools_go([cmd]))
+    _download(src, f"helm {version}")
+    ldflags = f"-s -w -X helm.sh/helm/v3/internal/version.version={version}"
+    out.mkdir(parents=True, exist_ok=True)
+    _go(
+        ["build", "-trimpath", "-ldflags", ldflags, "-o", str(out / "helm"), cmd],
+        src,
+        "compile helm",
+    )
+    _finish(out)
+    return out
+
+
+def ensure_binaries() -> Binaries:
+    """Build whatever is missing from the cache and return the binary paths."""
+    started = time.monotonic()
+    etcd = build_etcd()
+    kube = build_kubernetes()
+    helm = build_helm()
+    _log(f"binaries ready in {time.monotonic() - started:.0f}s under {versions.cache_dir()}")
+    return Binaries(
+        etcd=etcd / "etcd",
+        kube_apiserver=kube / "kube-apiserver",
+        kube_controller_manager=kube / "kube-controller-manager",
+        kube_scheduler=kube / "kube-scheduler",
+        helm=helm / "helm",
+    )

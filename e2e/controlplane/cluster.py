@@ -1,0 +1,361 @@
+"""The e2e cluster: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the
+local kubelet, all on one machine, state in one directory.
+
+``Cluster.up`` is idempotent: a cluster whose daemons are all alive is reused as is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import ssl
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import build, certs, processes, topology, versions
+
+E2E_DIR = Path(__file__).resolve().parent.parent
+# Stop order matters: the kubelet terminates its pods while the apiserver is still up.
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet")
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("LLMPOOL_E2E_STATE", E2E_DIR / ".state"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _log(msg: str) -> None:
+    print(f"[e2e cluster] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Record:
+    """What ``up`` wrote down about a running cluster (``cluster.json``)."""
+
+    ports: dict[str, int] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)
+    bin_dirs: list[str] = field(default_factory=list)
+    version: str = versions.KUBERNETES
+
+    @classmethod
+    def load(cls, path: Path) -> Record | None:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.__dict__, indent=2) + "\n")
+
+
+class Cluster:
+    """A control plane plus kubelet whose state lives under ``state_dir``."""
+
+    def __init__(self, state_dir: Path | None = None) -> None:
+        self.state_dir = (state_dir or default_state_dir()).resolve()
+        self.pki = certs.Pki(self.state_dir / "pki")
+        self.logs_dir = self.state_dir / "logs"
+        self.kubeconfig = self.state_dir / "kubeconfig"
+        self._record_path = self.state_dir / "cluster.json"
+
+    # ----------------------------------------------------------------- queries
+    def record(self) -> Record | None:
+        return Record.load(self._record_path)
+
+    def component_status(self) -> dict[str, bool]:
+        rec = self.record()
+        pids = rec.pids if rec else {}
+        return {c: c in pids and processes.alive(pids[c]) for c in COMPONENTS}
+
+    def running(self) -> bool:
+        status = self.component_status()
+        return all(status.values()) and self._apiserver_ready()
+
+    @property
+    def server(self) -> str:
+        rec = self.record()
+        if rec is None:
+            raise RuntimeError(f"no cluster recorded under {self.state_dir}")
+        return f"https://127.0.0.1:{rec.ports['apiserver']}"
+
+    def env(self) -> dict[str, str]:
+        """Environment for kubectl and helm against this cluster."""
+        rec = self.record()
+        bin_dirs = rec.bin_dirs if rec else []
+        return {
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": os.pathsep.join([*bin_dirs, os.environ.get("PATH", "")]),
+        }
+
+    # -------------------------------------------------------------------- up
+    def up(self, timeout: float = 180.0) -> None:
+        if self.running():
+            _log(f"reusing the running cluster in {self.state_dir}")
+            return
+        self.down(quiet=True)
+        started = time.monotonic()
+        binaries = build.ensure_binaries()
+        shutil.rmtree(self.logs_dir, ignore_errors=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        rec = Record(
+            ports={
+                name: _free_port()
+                for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
+            },
+            bin_dirs=[str(d) for d in binaries.bin_dirs],
+        )
+        self._make_credentials(rec)
+        deadline = time.monotonic() + timeout
+        rec.pids["etcd"] = self._spawn("etcd", self._etcd_argv(binaries, rec))
+        rec.save(self._record_path)
+        self._wait(
+            "etcd", lambda: self._http_ok(f"http://127.0.0.1:{rec.ports['etcd']}/health"), deadline
+        )
+        rec.pids["kube-apiserver"] = self._spawn(
+            "kube-apiserver", self._apiserver_argv(binaries, rec)
+        )
+        rec.save(self._record_path)
+        self._wait("kube-apiserver", self._apiserver_ready, deadline)
+        rec.pids["kube-controller-manager"] = self._spawn(
+            "kube-controller-manager", self._controller_manager_argv(binaries, rec)
+        )
+        rec.pids["kube-scheduler"] = self._spawn(
+            "kube-scheduler", self._scheduler_argv(binaries, rec)
+        )
+        rec.pids["kubelet"] = self._spawn("kubelet", self._kubelet_argv(rec), cwd=E2E_DIR)
+        rec.save(self._record_path)
+        for name, port in (
+            ("kube-controller-manager", rec.ports["controller-manager"]),
+            ("kube-scheduler", rec.ports["scheduler"]),
+        ):
+            self._wait(
+                name, lambda p=port: self._http_ok(f"https://127.0.0.1:{p}/healthz"), deadline
+            )
+        self._wait("node Ready", self._node_ready, deadline)
+        self._wait(
+            "default service account",
+            lambda: self._api_ok("/api/v1/namespaces/default/serviceaccounts/default"),
+            deadline,
+        )
+        self._wait(
+            "kube-root-ca.crt",
+            lambda: self._api_ok("/api/v1/namespaces/default/configmaps/kube-root-ca.crt"),
+            deadline,
+        )
+        _log(f"cluster up in {time.monotonic() - started:.1f}s; KUBECONFIG={self.kubeconfig}")
+
+    def _make_credentials(self, rec: Record) -> None:
+        pki = self.pki
+        certs.create_ca(pki)
+        certs.create_service_account_keys(pki)
+        certs.issue(
+            pki, "apiserver", "kube-apiserver", server=True, dns=certs.APISERVER_DNS,
+            ips=("127.0.0.1", topology.POD_GATEWAY, topology.KUBERNETES_SERVICE_IP),
+        )  # fmt: skip
+        certs.issue(
+            pki,
+            "kubelet-serving",
+            topology.NODE_NAME,
+            server=True,
+            ips=(topology.POD_GATEWAY, "127.0.0.1"),
+        )
+        certs.issue(
+            pki, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters"
+        )
+        server = f"https://127.0.0.1:{rec.ports['apiserver']}"
+        clients = {
+            "admin": ("kubernetes-admin", "system:masters"),
+            "controller-manager": ("system:kube-controller-manager", None),
+            "scheduler": ("system:kube-scheduler", None),
+            "kubelet": (f"system:node:{topology.NODE_NAME}", "system:nodes"),
+        }
+        for name, (cn, org) in clients.items():
+            certs.issue(pki, name, cn, org)
+            path = self.kubeconfig if name == "admin" else self.state_dir / f"{name}.kubeconfig"
+            certs.write_kubeconfig(path, server, pki, cn, name)
+
+    def _spawn(self, name: str, argv: list[str], cwd: Path | None = None) -> int:
+        pid = processes.spawn(argv, self.logs_dir / f"{name}.log", cwd=cwd)
+        _log(f"started {name} (pid {pid})")
+        return pid
+
+    def _etcd_argv(self, b: build.Binaries, rec: Record) -> list[str]:
+        client = f"http://127.0.0.1:{rec.ports['etcd']}"
+        peer = f"http://127.0.0.1:{rec.ports['etcd-peer']}"
+        return [
+            str(b.etcd),
+            "--name=e2e",
+            f"--data-dir={self.state_dir / 'etcd'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=e2e={peer}",
+            "--unsafe-no-fsync",  # a throwaway test store; fsync only costs time
+            "--log-level=warn",
+        ]
+
+    def _apiserver_argv(self, b: build.Binaries, rec: Record) -> list[str]:
+        pki = self.pki
+        return [
+            str(b.kube_apiserver),
+            "--bind-address=127.0.0.1",
+            f"--secure-port={rec.ports['apiserver']}",
+            # What the `kubernetes` Service endpoints say: the kubelet's relay on the pod
+            # network gateway, the address from which pods reach the apiserver.
+            f"--advertise-address={topology.POD_GATEWAY}",
+            f"--etcd-servers=http://127.0.0.1:{rec.ports['etcd']}",
+            f"--service-cluster-ip-range={topology.SERVICE_CIDR}",
+            f"--client-ca-file={pki.ca_crt}",
+            f"--tls-cert-file={pki.crt('apiserver')}",
+            f"--tls-private-key-file={pki.key('apiserver')}",
+            f"--kubelet-client-certificate={pki.crt('apiserver-kubelet-client')}",
+            f"--kubelet-client-key={pki.key('apiserver-kubelet-client')}",
+            f"--kubelet-certificate-authority={pki.ca_crt}",
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--service-account-key-file={pki.sa_pub}",
+            f"--service-account-signing-key-file={pki.sa_key}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            "--allow-privileged=true",
+            "--profiling=false",
+        ]
+
+    def _component_argv(self, binary: Path, name: str, port: int) -> list[str]:
+        kubeconfig = self.state_dir / f"{name}.kubeconfig"
+        return [
+            str(binary),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            "--leader-elect=false",
+        ]
+
+    def _controller_manager_argv(self, b: build.Binaries, rec: Record) -> list[str]:
+        return [
+            *self._component_argv(
+                b.kube_controller_manager, "controller-manager", rec.ports["controller-manager"]
+            ),
+            f"--service-account-private-key-file={self.pki.sa_key}",
+            f"--root-ca-file={self.pki.ca_crt}",
+            "--use-service-account-credentials=true",
+            f"--cluster-cidr={topology.POD_CIDR}",
+            f"--service-cluster-ip-range={topology.SERVICE_CIDR}",
+        ]
+
+    def _scheduler_argv(self, b: build.Binaries, rec: Record) -> list[str]:
+        return self._component_argv(b.kube_scheduler, "scheduler", rec.ports["scheduler"])
+
+    def _kubelet_argv(self, rec: Record) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "kubelet",
+            f"--kubeconfig={self.state_dir / 'kubelet.kubeconfig'}",
+            f"--node-name={topology.NODE_NAME}",
+            f"--root-dir={self.state_dir / 'kubelet'}",
+            f"--apiserver-port={rec.ports['apiserver']}",
+            f"--serving-cert={self.pki.crt('kubelet-serving')}",
+            f"--serving-key={self.pki.key('kubelet-serving')}",
+            f"--client-ca={self.pki.ca_crt}",
+            f"--pod-log-dir={self.logs_dir / 'pods'}",
+        ]
+
+    # ------------------------------------------------------------- readiness
+    def _wait(self, what: str, ready, deadline: float) -> None:  # noqa: ANN001
+        while not ready():
+            dead = [
+                c
+                for c, ok in self.component_status().items()
+                if not ok and c in (self.record() or Record()).pids
+            ]
+            if dead:
+                raise RuntimeError(
+                    f"waiting for {what}: {', '.join(dead)} exited; see {self.logs_dir}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}; see {self.logs_dir}")
+            time.sleep(0.25)
+        _log(f"{what} ready")
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki.ca_crt))
+        ctx.load_cert_chain(str(self.pki.crt("admin")), str(self.pki.key("admin")))
+        return ctx
+
+    def _http_ok(self, url: str) -> bool:
+        ctx = None
+        if url.startswith("https"):
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        try:
+            with urllib.request.urlopen(url, timeout=2, context=ctx) as resp:
+                return resp.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def api_get(self, path: str) -> dict | None:
+        """GET ``path`` from the apiserver as admin; None when it does not answer 200."""
+        rec = self.record()
+        if rec is None or not self.pki.ca_crt.exists():
+            return None
+        url = f"https://127.0.0.1:{rec.ports['apiserver']}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=3, context=self._ssl_context()) as resp:
+                body = resp.read()
+        except (OSError, urllib.error.URLError):
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return {"text": body.decode(errors="replace")}
+
+    def _api_ok(self, path: str) -> bool:
+        return self.api_get(path) is not None
+
+    def _apiserver_ready(self) -> bool:
+        return self._api_ok("/readyz")
+
+    def _node_ready(self) -> bool:
+        node = self.api_get(f"/api/v1/nodes/{topology.NODE_NAME}") or {}
+        conditions = node.get("status", {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    # ------------------------------------------------------------------ down
+    def down(self, quiet: bool = False) -> None:
+        """Stop every daemon (kubelet first, etcd last) and remove the state, logs excepted."""
+        rec = self.record()
+        if rec is not None:
+            for name in reversed(COMPONENTS):
+                if name in rec.pids:
+                    processes.stop(rec.pids[name], grace=45.0 if name == "kubelet" else 10.0)
+                    if not quiet:
+                        _log(f"stopped {name}")
+        from kubelet import network  # the kubelet cleans up after itself; this is the safety net
+
+        network.remove_all()
+        for entry in self.state_dir.glob("*") if self.state_dir.exists() else []:
+            if entry != self.logs_dir:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+    def save_logs(self, dest: Path) -> Path:
+        """Copy the daemons' and pods' logs to ``dest`` (kept when a test run fails)."""
+        dest.mkdir(parents=True, exist_ok=True)
+        if self.logs_dir.exists():
+            shutil.copytree(self.logs_dir, dest, dirs_exist_ok=True)
+        return dest
