@@ -1,0 +1,1 @@
+"""Triton kernels of the CUDA path: paged attention, KV-cache write, RMSNorm and rotary embedding."""

@@ -1,0 +1,246 @@
+"""Paged attention in one Triton launch: prefill chunks and decodes together, causal, with GQA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+from llmpool.engine.attention.metadata import AttentionMetadata
+from llmpool.engine.kernels.common import dot_precision, matmul_dtype
+
+# tl.dot needs at least 16 rows; more rows per tile reuse each loaded K/V page for more
+# queries (prefill), at the price of idle rows when a sequence has fewer queries (decode).
+_MIN_TILE_ROWS = 16
+_MAX_TILE_ROWS = 64
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    scale,
+    num_seqs,
+    q_stride_t,
+    q_stride_h,
+    k_stride_b,
+    k_stride_o,
+    k_stride_h,
+    v_stride_b,
+    v_stride_o,
+    v_stride_h,
+    o_stride_t,
+    o_stride_h,
+    bt_stride,
+    QUERIES_PER_KV: tl.constexpr,
+    QUERIES_PER_KV_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MMA_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program: ``BLOCK_Q`` query tokens of one sequence x the query heads of one KV head.
+
+    Rows of the tile are (token, head-in-group) pairs, so every K/V page is loaded once for
+    the whole GQA group. Softmax is computed online (flash attention) over the pages of the
+    sequence's block table, up to the last position any row of the tile may see.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    if seq >= num_seqs:  # the grid is sized for the worst case; spare programs do nothing
+        return
+    tile_start = tl.load(tile_start_ptr + tile)
+    query_begin = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_before = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_Q * QUERIES_PER_KV_PAD)
+    token = tile_start + rows // QUERIES_PER_KV_PAD
+    head_in_group = rows % QUERIES_PER_KV_PAD
+    row_valid = (token < query_len) & (head_in_group < QUERIES_PER_KV)
+    head = kv_head * QUERIES_PER_KV + head_in_group
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    q_offsets = (query_begin + token)[:, None].to(tl.int64) * q_stride_t + head[
+        :, None
+    ] * q_stride_h
+    q = tl.load(
+        query_ptr + q_offsets + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    # Fold the softmax scale and log2(e) into q once, so the loop uses exp2 directly.
+    q = (q * (scale * 1.4426950408889634)).to(MMA_DTYPE)
+    # Padding rows get a position past the tile's last real one; they see valid keys only,
+    # so their softmax stays finite and their (discarded) results need no special case.
+    query_pos = context_before + token
+
+    last_token = tl.minimum(tile_start + BLOCK_Q, query_len) - 1
+    num_keys = context_before + last_token + 1
+    num_pages = tl.cdiv(num_keys, BLOCK_SIZE)
+
+    m = tl.full([BLOCK_Q * QUERIES_PER_KV_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_Q * QUERIES_PER_KV_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * QUERIES_PER_KV_PAD, HEAD_DIM_PAD], tl.float32)
+    offsets_in_page = tl.arange(0, BLOCK_SIZE)
+    for page in range(0, num_pages):
+        physical = tl.load(block_tables_ptr + seq * bt_stride + page).to(tl.int64)
+        key_pos = page * BLOCK_SIZE + offsets_in_page
+        key_valid = key_pos < num_keys
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(
+            key_cache_ptr
+            + physical * k_stride_b
+            + offsets_in_page[:, None] * k_stride_o
+            + kv_head * k_stride_h
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)
+        v = tl.load(
+            value_cache_ptr
+            + physical * v_stride_b
+            + offsets_in_page[:, None] * v_stride_o
+            + kv_head * v_stride_h
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)
+
+        scores = tl.dot(q, tl.trans(k.to(MMA_DTYPE)), input_precision=DOT_PRECISION)
+        allowed = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        probs = tl.exp2(scores - m_new[:, None])
+        correction = tl.exp2(m - m_new)
+        denom = denom * correction + tl.sum(probs, 1)
+        acc = acc * correction[:, None] + tl.dot(
+            probs.to(MMA_DTYPE), v.to(MMA_DTYPE), input_precision=DOT_PRECISION
+        )
+        m = m_new
+
+    out = acc / denom[:, None]
+    o_offsets = (query_begin + token)[:, None].to(tl.int64) * o_stride_t + head[
+        :, None
+    ] * o_stride_h
+    tl.store(
+        out_ptr + o_offsets + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_valid[None, :],
+    )
+
+
+@dataclass
+class TritonAttentionPlan:
+    """The step's metadata plus, per tile height, which sequence and query offset each tile covers.
+
+    Tiles are computed on the device (no host sync) the first time a layer asks for a height;
+    every later layer of the step reuses them.
+    """
+
+    meta: AttentionMetadata
+    _tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tile_seq, tile_start)`` for a grid of ``num_tokens // block_q + num_seqs`` tiles.
+
+        That grid bounds the real tile count (each sequence adds at most one partial tile);
+        tiles past the real ones get ``tile_seq == num_seqs`` and exit at once.
+        """
+        if block_q not in self._tiles:
+            self._tiles[block_q] = _tiles(self.meta, block_q)
+        return self._tiles[block_q]
+
+
+def _tiles(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    start_loc = meta.query_start_loc.to(torch.int64)
+    tiles_per_seq = (start_loc[1:] - start_loc[:-1] + block_q - 1) // block_q
+    tiles_end = torch.cumsum(tiles_per_seq, 0)
+    grid = meta.num_tokens // block_q + meta.num_seqs
+    tile = torch.arange(grid, device=start_loc.device)
+    tile_seq = torch.searchsorted(tiles_end, tile, right=True)
+    clamped = tile_seq.clamp(max=meta.num_seqs - 1)
+    first_tile_of_seq = tiles_end[clamped] - tiles_per_seq[clamped]
+    tile_start = (tile - first_tile_of_seq) * block_q
+    return tile_seq.to(torch.int32), tile_start.to(torch.int32)
+
+
+def plan(meta: AttentionMetadata) -> TritonAttentionPlan:
+    """Wrap the metadata; tiles depend on the GQA ratio, so they are built on first use."""
+    return TritonAttentionPlan(meta)
+
+
+def _block_q(max_query_len: int, queries_per_kv_pad: int) -> int:
+    """Query tokens per tile: enough for the longest query, within the row limits of a tile."""
+    lowest = max(1, _MIN_TILE_ROWS // queries_per_kv_pad)
+    highest = max(lowest, _MAX_TILE_ROWS // queries_per_kv_pad)
+    return min(max(triton.next_power_of_2(max_query_len), lowest), highest)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attention_plan: TritonAttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of ``query`` ``[num_tokens, heads, head_dim]`` over paged K/V."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    meta = attention_plan.meta
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    for tensor in (query, key_cache, value_cache):
+        if tensor.stride(-1) != 1:
+            raise ValueError("paged_attention needs head_dim to be the contiguous dimension")
+    queries_per_kv = num_heads // num_kv_heads
+    queries_per_kv_pad = triton.next_power_of_2(queries_per_kv)
+    block_q = _block_q(meta.max_query_len, queries_per_kv_pad)
+    tile_seq, tile_start = attention_plan.tiles(block_q)
+    _paged_attention_kernel[(tile_seq.shape[0], num_kv_heads)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        tile_seq,
+        tile_start,
+        scale,
+        meta.num_seqs,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        meta.block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv,
+        QUERIES_PER_KV_PAD=queries_per_kv_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        MMA_DTYPE=matmul_dtype(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype),
+    )
+    return out

@@ -1,0 +1,281 @@
+"""Triton kernels against the torch reference backend, on CPU under the Triton interpreter.
+
+The device is a parameter: ``LLMPOOL_KERNEL_TEST_DEVICE=cuda`` runs the same tests compiled on
+a GPU (benchmarks/gpu_check.py does); the default, ``cpu``, turns on ``TRITON_INTERPRET=1``
+before Triton is imported, because Triton reads it when a kernel is decorated.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+DEVICE = os.environ.get("LLMPOOL_KERNEL_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed; the CUDA kernels cannot be tested")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("LLMPOOL_KERNEL_TEST_DEVICE=cuda but no GPU is visible", allow_module_level=True)
+
+# A test module collected earlier may have imported the kernels before the interpreter was
+# switched on; reloading re-decorates them (function objects look kernels up at call time).
+for _name in sorted(n for n in sys.modules if n.startswith("llmpool.engine.kernels.")):
+    importlib.reload(sys.modules[_name])
+
+from llmpool.engine.attention import TORCH, AttentionMetadata  # noqa: E402
+from llmpool.engine.attention.triton_backend import TRITON  # noqa: E402
+
+# fp32 must agree to rounding-order noise; fp16 rounds the softmax probabilities to fp16
+# before the P@V product (as on tensor cores), hence the looser bound.
+DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get
+ATTENTION_TOL = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+NUM_KV_HEADS = 2
+HEAD_DIM = 64
+
+
+@pytest.fixture(params=[DEVICE])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    return torch.device(request.param)
+
+
+def _batch(
+    query_lens: list[int], seq_lens: list[int], block_size: int, device: torch.device, seed: int
+) -> tuple[AttentionMetadata, int]:
+    """Metadata for sequences with shuffled physical blocks; returns it and the block count."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks, so stray reads would show up
+    physical = torch.randperm(num_blocks, generator=generator)
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slots = []
+    used = 0
+    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        table = physical[used : used + blocks_per_seq[i]]
+        used += blocks_per_seq[i]
+        block_tables[i, : len(table)] = table
+        for pos in range(seq_len - query_len, seq_len):
+            slots.append(int(table[pos // block_size]) * block_size + pos % block_size)
+    start_loc = torch.tensor([0, *torch.cumsum(torch.tensor(query_lens), 0).tolist()])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=start_loc.to(torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
+    return meta, num_blocks
+
+
+def _check_attention(
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    dtype: torch.dtype,
+    queries_per_kv: int,
+    block_size: int,
+    device: torch.device,
+    head_dim: int = HEAD_DIM,
+    seed: int = 0,
+) -> None:
+    meta, num_blocks = _batch(query_lens, seq_lens, block_size, device, seed)
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
+
+    cache_shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    key_cache, value_cache = randn(*cache_shape), randn(*cache_shape)
+    query = randn(meta.num_tokens, NUM_KV_HEADS * queries_per_kv, head_dim)
+    scale = head_dim**-0.5
+
+    expected = TORCH.paged_attention(query, key_cache, value_cache, TORCH.plan(meta), scale)
+    actual = TRITON.paged_attention(query, key_cache, value_cache, TRITON.plan(meta), scale)
+    torch.testing.assert_close(actual, expected, **ATTENTION_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=DTYPE_ID)
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_mixed_prefill_and_decode(
+    dtype: torch.dtype, queries_per_kv: int, block_size: int, device: torch.device
+) -> None:
+    bs = block_size
+    # (query_len, seq_len): a 1-token context; decodes whose context ends on, just past and
+    # well past a block boundary; a whole prompt ending on a boundary; prefill chunks after
+    # cached context, one of them ending on a boundary and one longer than a query tile.
+    sequences = [
+        (1, 1),
+        (1, bs),
+        (1, bs + 1),
+        (2 * bs, 2 * bs),
+        (7, 3 * bs),
+        (5, bs + 9),
+        (1, 2 * bs + 3),
+        (bs + 3, 2 * bs + 8),
+    ]
+    query_lens, seq_lens = zip(*sequences, strict=True)
+    _check_attention(
+        list(query_lens),
+        list(seq_lens),
+        dtype=dtype,
+        queries_per_kv=queries_per_kv,
+        block_size=block_size,
+        device=device,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=DTYPE_ID)
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_decode_only(
+    dtype: torch.dtype, queries_per_kv: int, block_size: int, device: torch.device
+) -> None:
+    # All queries of length 1 select the shortest query tile, a different kernel shape.
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 2 * block_size]
+    _check_attention(
+        [1] * len(seq_lens),
+        seq_lens,
+        dtype=dtype,
+        queries_per_kv=queries_per_kv,
+        block_size=block_size,
+        device=device,
+        seed=1,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_ID)
+def test_paged_attention_odd_head_dim_and_bf16(dtype: torch.dtype, device: torch.device) -> None:
+    # head_dim 80 is padded to 128 inside the kernel; bf16 is the engine's usual dtype.
+    _check_attention(
+        [1, 20, 1],
+        [17, 20, 40],
+        dtype=dtype,
+        queries_per_kv=3,
+        block_size=16,
+        device=device,
+        head_dim=80,
+        seed=2,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=DTYPE_ID)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_matches_reference(
+    dtype: torch.dtype, block_size: int, device: torch.device
+) -> None:
+    num_blocks, num_tokens = 4, 2 * block_size + 3
+    generator = torch.Generator().manual_seed(3)
+    # Slots include the first and last offset of a block, and the very last slot of the cache.
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    slots[:3] = torch.tensor([block_size - 1, block_size, num_blocks * block_size - 1])
+    slots = slots.to(device)
+    # K and V as views into a fused QKV projection output, as the model produces them.
+    qkv = torch.randn(num_tokens, 3 * NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    qkv = qkv.to(dtype=dtype, device=device)
+    key, value = qkv[:, NUM_KV_HEADS : 2 * NUM_KV_HEADS], qkv[:, 2 * NUM_KV_HEADS :]
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    caches = {
+        name: (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for name in ("torch", "triton")
+    }
+    TORCH.write_kv(key, value, *caches["torch"], slots)
+    TRITON.write_kv(key, value, *caches["triton"], slots)
+    assert torch.equal(caches["triton"][0], caches["torch"][0])
+    assert torch.equal(caches["triton"][1], caches["torch"][1])
+
+
+def test_write_kv_skips_negative_slots(device: torch.device) -> None:
+    key = torch.ones(2, NUM_KV_HEADS, HEAD_DIM, device=device)
+    key_cache = torch.zeros(2, 16, NUM_KV_HEADS, HEAD_DIM, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    TRITON.write_kv(key, key, key_cache, value_cache, torch.tensor([-1, 17], device=device))
+    assert key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[17].eq(1).all()
+    assert key_cache.sum() == NUM_KV_HEADS * HEAD_DIM
+
+
+# One or two units in the last place of fp16/bf16 (bf16: the interpreter rounds fp32 to bf16
+# toward zero where GPUs round to nearest, which costs up to one more unit).
+NORM_TOL = {
+    torch.float32: {"atol": 1e-6, "rtol": 1e-5},
+    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "weight_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+    ids=["fp32", "fp16", "bf16", "bf16-fp32-weight"],
+)
+def test_rms_norm_and_fused_add(
+    dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device
+) -> None:
+    generator = torch.Generator().manual_seed(4)
+    hidden = 96  # not a power of two: the kernel masks the tail of its block
+    x = torch.randn(2, 5, hidden, generator=generator).to(dtype=dtype, device=device)
+    residual = torch.randn(2, 5, hidden, generator=generator).to(dtype=dtype, device=device)
+    weight = (1 + torch.randn(hidden, generator=generator)).to(dtype=weight_dtype, device=device)
+    eps = 1e-6
+
+    expected = TORCH.rms_norm(x, weight, eps)
+    actual = TRITON.rms_norm(x, weight, eps)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, **NORM_TOL[dtype])
+
+    expected_out, expected_residual = TORCH.fused_add_rms_norm(x, residual, weight, eps)
+    actual_out, actual_residual = TRITON.fused_add_rms_norm(x, residual, weight, eps)
+    # x + residual is rounded once, as in torch: exact, but for the interpreter's bf16 rounding.
+    exact = {"atol": 0.0, "rtol": 0.0}
+    residual_tol = NORM_TOL[dtype] if dtype == torch.bfloat16 else exact
+    torch.testing.assert_close(actual_residual, expected_residual, **residual_tol)
+    assert actual_out.dtype == expected_out.dtype
+    torch.testing.assert_close(actual_out, expected_out, **NORM_TOL[dtype])
+
+
+def _cos_sin_cache(max_positions: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=DTYPE_ID)
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 8])
+def test_rotary_embedding(dtype: torch.dtype, queries_per_kv: int, device: torch.device) -> None:
+    generator = torch.Generator().manual_seed(5)
+    num_tokens, num_heads = 7, NUM_KV_HEADS * queries_per_kv
+    cache = _cos_sin_cache(128, HEAD_DIM).to(device)
+    positions = torch.tensor([0, 1, 15, 16, 17, 64, 127], device=device)
+    # q and k as views into one fused QKV output: strided along tokens.
+    qkv = torch.randn(num_tokens, num_heads + 2 * NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    qkv = qkv.to(dtype=dtype, device=device)
+    query, key = qkv[:, :num_heads], qkv[:, num_heads : num_heads + NUM_KV_HEADS]
+    before = qkv.clone()
+
+    expected_q, expected_k = TORCH.rotary_embedding(positions, query, key, cache)
+    actual_q, actual_k = TRITON.rotary_embedding(positions, query, key, cache)
+    # fp16/bf16: the reference rounds each product to the dtype, the kernel only the result.
+    tol = NORM_TOL[dtype] if dtype != torch.float32 else {"atol": 1e-6, "rtol": 1e-6}
+    torch.testing.assert_close(actual_q, expected_q, **tol)
+    torch.testing.assert_close(actual_k, expected_k, **tol)
+    assert torch.equal(qkv, before), "rotary_embedding must not modify its inputs"
