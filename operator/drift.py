@@ -1,0 +1,119 @@
+"""Which replicas drifted from the pin, and which of them policy Recreate may delete now."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llmpool.operator.views import PodView
+from llmpool.pinning import PINNED_KEYS
+
+# Observed fields that must agree across siblings (they are not part of the pin itself).
+OBSERVED_MAJORITY_FIELDS = ("weightsDigest", "tokenizerDigest")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """One replica's answer to GET /fingerprint, with the digest its pod template carries."""
+
+    pod: str
+    template_digest: str | None
+    body: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class DriftEntry:
+    pod: str
+    field: str
+    expected: str | None  # None: siblings disagree without a majority
+    actual: str | None
+
+    def as_status(self) -> dict[str, str]:
+        return {
+            "pod": self.pod,
+            "field": self.field,
+            "expected": "(no majority)" if self.expected is None else self.expected,
+            "actual": "(missing)" if self.actual is None else self.actual,
+        }
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _pinned_entries(pod: str, reported: Mapping[str, Any], expected: Mapping[str, Any]) -> list:
+    pinned = reported.get("pinned") or {}
+    keys = [*PINNED_KEYS, *sorted(set(pinned) - set(PINNED_KEYS))]
+    entries = [
+        DriftEntry(pod, key, _text(expected.get(key)), _text(pinned.get(key)))
+        for key in keys
+        if pinned.get(key) != expected.get(key)
+    ]
+    # A digest that differs while every field agrees: the engine hashes differently.
+    return entries or [DriftEntry(pod, "digest", None, _text(reported.get("digest")))]
+
+
+def _majority_entries(fingerprints: Sequence[Fingerprint], field: str) -> list[DriftEntry]:
+    values = {f.pod: (f.body.get("observed") or {}).get(field) for f in fingerprints}
+    counts = Counter(values.values())
+    if len(counts) <= 1:
+        return []
+    majority, count = counts.most_common(1)[0]
+    has_majority = count * 2 > len(values)
+    expected = _text(majority) if has_majority else None
+    return [
+        DriftEntry(pod, f"observed.{field}", expected, _text(actual))
+        for pod, actual in sorted(values.items())
+        if not has_majority or actual != majority
+    ]
+
+
+def classify_drift(
+    fingerprints: Iterable[Fingerprint], expected_pinned: Mapping[str, Any], expected_digest: str
+) -> list[DriftEntry]:
+    """Drift entries of the replicas that run the current pod template.
+
+    A pod whose template still carries an older digest belongs to a rollout in progress: it
+    is expected to differ, so it is neither reported nor counted in the sibling majority.
+    """
+    current = [f for f in fingerprints if f.template_digest == expected_digest]
+    entries: list[DriftEntry] = []
+    for fingerprint in current:
+        if fingerprint.body.get("digest") != expected_digest:
+            entries += _pinned_entries(fingerprint.pod, fingerprint.body, expected_pinned)
+    for field in OBSERVED_MAJORITY_FIELDS:
+        entries += _majority_entries(current, field)
+    return sorted(entries, key=lambda e: (e.pod, e.field))
+
+
+def drifted_pods(entries: Iterable[DriftEntry]) -> list[str]:
+    return sorted({e.pod for e in entries})
+
+
+def pods_to_recreate(
+    entries: Sequence[DriftEntry],
+    pods: Sequence[PodView],
+    *,
+    digest: str,
+    replicas: int,
+    max_unavailable: int,
+    rollout_in_progress: bool,
+) -> list[str]:
+    """At most one drifted pod to delete now, or none.
+
+    Never during a rollout; never when deleting one more pod would leave more than
+    ``max_unavailable`` replicas unavailable; never a pod whose only fault is a tie between
+    siblings (there is no telling which side is right).
+    """
+    if rollout_in_progress:
+        return []
+    available = sum(1 for p in pods if p.ready and not p.terminating and p.digest == digest)
+    unavailable = max(replicas - available, 0)
+    if unavailable + 1 > max_unavailable:
+        return []
+    live = {p.name for p in pods if not p.terminating}
+    candidates = sorted({e.pod for e in entries if e.expected is not None and e.pod in live})
+    return candidates[:1]

@@ -1,0 +1,50 @@
+"""The `llmpool serve` command line of an engine container, from a pool's spec."""
+
+from __future__ import annotations
+
+from kubernetes.utils import parse_quantity
+
+from llmpool import pinning
+from llmpool.operator import naming
+from llmpool.operator.spec import PoolSpec
+
+ENGINE_COMMAND = ["llmpool", "serve"]
+CHAT_TEMPLATE_PATH = f"{naming.CHAT_TEMPLATE_DIR}/{naming.CHAT_TEMPLATE_KEY}"
+
+
+def quantity_bytes(quantity: int | str) -> int:
+    """A Kubernetes quantity (``2Gi``, ``512M``, ``1073741824``) in whole bytes."""
+    return int(parse_quantity(quantity))
+
+
+def engine_args(spec: PoolSpec) -> list[str]:
+    """Arguments after ``llmpool serve``: the model, then vLLM-named flags.
+
+    Every pinned field is passed explicitly, so that an engine's /fingerprint never depends on
+    its own defaults; ``--quantization`` is left out for ``none`` (the engine's default, which
+    vLLM spells as no flag at all).
+    """
+    engine = spec.engine
+    args = [
+        pinning.engine_model_argument(spec.source, spec.revision),
+        "--served-model-name", spec.served_name,
+        "--revision", spec.revision,
+        "--max-model-len", str(spec.max_model_len),
+        "--block-size", str(engine.block_size),
+        "--kv-cache-dtype", spec.kv_cache_dtype,
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+        "--gpu-memory-utilization", repr(float(engine.gpu_memory_utilization)),
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--priority-class", spec.priority_class,
+    ]  # fmt: skip
+    if spec.quantization != "none":
+        args += ["--quantization", spec.quantization]
+    if engine.kv_cache_memory is not None:
+        args += ["--kv-cache-memory", str(quantity_bytes(engine.kv_cache_memory))]
+    if engine.max_queue is not None:
+        args += ["--max-queue", str(engine.max_queue)]
+    if spec.chat_template is not None:
+        args += ["--chat-template", CHAT_TEMPLATE_PATH]
+    args += ["--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT)]
+    return args

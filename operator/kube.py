@@ -1,0 +1,110 @@
+"""The operator's own Kubernetes API calls (kopf does the watching, events and pool patches).
+
+The official client is synchronous; every call runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes
+from kubernetes.client import ApiException
+
+from llmpool.operator import naming
+
+logger = logging.getLogger(__name__)
+
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+
+
+def load_credentials() -> None:
+    """In-cluster service account, else the local kubeconfig."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+
+
+def _appliers() -> dict[str, Callable[..., Any]]:
+    core = kubernetes.client.CoreV1Api()
+    apps = kubernetes.client.AppsV1Api()
+    return {
+        "ConfigMap": core.patch_namespaced_config_map,
+        "Service": core.patch_namespaced_service,
+        "Deployment": apps.patch_namespaced_deployment,
+    }
+
+
+async def apply(obj: dict[str, Any]) -> None:
+    """Server-side apply: idempotent, and restarting mid-way cannot create duplicates."""
+    patch = _appliers()[obj["kind"]]
+    metadata = obj["metadata"]
+    await asyncio.to_thread(
+        patch,
+        metadata["name"],
+        metadata["namespace"],
+        obj,
+        field_manager=naming.FIELD_MANAGER,
+        force=True,
+        _content_type=APPLY_CONTENT_TYPE,
+    )
+
+
+async def read_configmap_key(namespace: str, name: str, key: str) -> str | None:
+    """A ConfigMap value, or None when the ConfigMap or the key does not exist."""
+    core = kubernetes.client.CoreV1Api()
+    try:
+        configmap = await asyncio.to_thread(core.read_namespaced_config_map, name, namespace)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return (configmap.data or {}).get(key)
+
+
+async def delete_pod(namespace: str, name: str, uid: str) -> bool:
+    """Delete exactly the pod that was judged (uid precondition); False if it is already gone."""
+    core = kubernetes.client.CoreV1Api()
+    options = kubernetes.client.V1DeleteOptions(
+        preconditions=kubernetes.client.V1Preconditions(uid=uid)
+    )
+    try:
+        await asyncio.to_thread(core.delete_namespaced_pod, name, namespace, body=options)
+    except ApiException as error:
+        if error.status in (404, 409):
+            return False
+        raise
+    return True
+
+
+async def ensure_peering(name: str, namespaces: list[str]) -> None:
+    """Create the kopf peering object(s) if missing: kopf only patches existing ones.
+
+    Cluster-wide (no ``namespaces``) uses a ClusterKopfPeering, otherwise a KopfPeering per
+    namespace. A missing peering CRD is logged, not fatal: the operator then runs alone.
+    """
+    custom = kubernetes.client.CustomObjectsApi()
+    body = {"apiVersion": "kopf.dev/v1", "metadata": {"name": name}}
+    calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]
+    if namespaces:
+        kind = {**body, "kind": "KopfPeering"}
+        calls = [
+            (custom.create_namespaced_custom_object, ("kopf.dev", "v1", ns, "kopfpeerings", kind))
+            for ns in namespaces
+        ]
+    else:
+        kind = {**body, "kind": "ClusterKopfPeering"}
+        calls = [
+            (custom.create_cluster_custom_object, ("kopf.dev", "v1", "clusterkopfpeerings", kind))
+        ]
+    for call, args in calls:
+        try:
+            await asyncio.to_thread(call, *args)
+        except ApiException as error:
+            if error.status == 404:
+                logger.warning("kopf peering CRDs are not installed (crds/kopf-peering.yaml)")
+            elif error.status != 409:
+                raise

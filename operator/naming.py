@@ -1,0 +1,60 @@
+"""Names, labels and annotations shared by everything the operator creates and reads."""
+
+from __future__ import annotations
+
+GROUP = "llmpool.dev"
+VERSION = "v1alpha1"
+PLURAL = "llmpools"
+KIND = "LLMPool"
+
+FIELD_MANAGER = "llmpool-operator"
+
+POOL_LABEL = "llmpool.dev/pool"
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+ENGINE_APP = "llmpool-engine"
+
+DIGEST_ANNOTATION = "llmpool.dev/pinned-digest"
+
+ENGINE_PORT = 8000
+ENGINE_PORT_NAME = "http"
+CHAT_TEMPLATE_KEY = "template"
+CHAT_TEMPLATE_DIR = "/etc/llmpool/chat-template"
+
+
+def selector_labels(pool: str) -> dict[str, str]:
+    """Labels that select a pool's engine pods; immutable once a Deployment exists."""
+    return {NAME_LABEL: ENGINE_APP, POOL_LABEL: pool}
+
+
+def pod_labels(pool: str) -> dict[str, str]:
+    return {**selector_labels(pool), INSTANCE_LABEL: pool, COMPONENT_LABEL: "engine"}
+
+
+def object_labels(pool: str) -> dict[str, str]:
+    """Labels of the Deployment, Service and ConfigMap of a pool."""
+    return {**pod_labels(pool), MANAGED_BY_LABEL: FIELD_MANAGER}
+
+
+def selector_string(pool: str) -> str:
+    """The pod selector as the scale subresource wants it (status.selector)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(pool).items()))
+
+
+def deployment_name(pool: str) -> str:
+    return pool
+
+
+def service_name(pool: str) -> str:
+    return pool
+
+
+def configmap_name(pool: str) -> str:
+    return f"{pool}-engine"
+
+
+def endpoint(pool: str, namespace: str) -> str:
+    """In-cluster OpenAI base URL of a pool."""
+    return f"http://{service_name(pool)}.{namespace}.svc:{ENGINE_PORT}/v1"

@@ -1,0 +1,189 @@
+"""The objects a pool owns (ConfigMap, Deployment, Service), rendered as pure functions of its spec.
+
+Owner references and the namespace are added by the handler (``kopf.adopt``); everything else
+that reaches the API server is decided here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmpool import pinning
+from llmpool.operator import naming
+from llmpool.operator.engine_args import ENGINE_COMMAND, engine_args
+from llmpool.operator.spec import PoolSpec
+
+ENGINE_USER_ID = 10001
+PINNED_JSON_KEY = "pinned.json"
+
+
+def render_configmap(pool: str, pinned: dict[str, Any], chat_template: str | None) -> dict:
+    """The pool's own ConfigMap: the pinned fields, and the exact chat template pods mount.
+
+    The template is a copy of the user's ConfigMap, so that the sha256 in the pinned digest is
+    of exactly the bytes every replica reads, even if the user's ConfigMap changes later.
+    """
+    data = {PINNED_JSON_KEY: pinning.canonical_json(pinned)}
+    if chat_template is not None:
+        data[naming.CHAT_TEMPLATE_KEY] = chat_template
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": naming.configmap_name(pool), "labels": naming.object_labels(pool)},
+        "data": data,
+    }
+
+
+def render_service(pool: str) -> dict:
+    """A ClusterIP Service in front of the ready engine pods: the pool's OpenAI endpoint."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": naming.service_name(pool), "labels": naming.object_labels(pool)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": naming.selector_labels(pool),
+            "ports": [
+                {
+                    "name": naming.ENGINE_PORT_NAME,
+                    "port": naming.ENGINE_PORT,
+                    "targetPort": naming.ENGINE_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def _model_volumes(source: str) -> tuple[list[dict], list[dict]]:
+    """Volumes and mounts that make a model source readable inside the engine container.
+
+    hf:// models are read from the Hugging Face cache the image provides at HF_CACHE_ROOT.
+    """
+    if source.startswith("pvc://"):
+        claim = source.removeprefix("pvc://").split("/", 1)[0]
+        mount_path = f"{pinning.PVC_MOUNT_ROOT}/{claim}"
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        return [volume], [{"name": "model", "mountPath": mount_path, "readOnly": True}]
+    if source.startswith("file://"):
+        path = source.removeprefix("file://")
+        volume = {"name": "model", "hostPath": {"path": path}}
+        return [volume], [{"name": "model", "mountPath": path, "readOnly": True}]
+    return [], []
+
+
+def _engine_container(spec: PoolSpec, image: str) -> dict:
+    port = naming.ENGINE_PORT_NAME
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.image or image,
+        "command": ENGINE_COMMAND,
+        "args": engine_args(spec),
+        # HOME on the writable emptyDir: the root filesystem is read-only.
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "ports": [{"name": port, "containerPort": naming.ENGINE_PORT, "protocol": "TCP"}],
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": port},
+            "periodSeconds": 5,
+            "timeoutSeconds": 2,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "initialDelaySeconds": 15,
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ENGINE_USER_ID,
+            "runAsGroup": ENGINE_USER_ID,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        # The engine writes "RevisionMismatch: ..." here before exiting with code 3.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    if spec.resources:
+        container["resources"] = dict(spec.resources)
+    return container
+
+
+def render_deployment(pool: str, spec: PoolSpec, digest: str, image: str) -> dict:
+    """The engine Deployment; ``image`` is used when the spec names none.
+
+    The pod template depends on the spec's engine settings and ``digest`` only, never on
+    ``replicas``, so scaling does not roll the pods while any pinned change does.
+    """
+    container = _engine_container(spec, image)
+    volumes: list[dict] = [{"name": "tmp", "emptyDir": {}}]
+    if spec.chat_template is not None:
+        volumes.append(
+            {
+                "name": "chat-template",
+                "configMap": {
+                    "name": naming.configmap_name(pool),
+                    "items": [{"key": naming.CHAT_TEMPLATE_KEY, "path": naming.CHAT_TEMPLATE_KEY}],
+                },
+            }
+        )
+        container["volumeMounts"].append(
+            {"name": "chat-template", "mountPath": naming.CHAT_TEMPLATE_DIR, "readOnly": True}
+        )
+    model_volumes, model_mounts = _model_volumes(spec.source)
+    volumes += model_volumes
+    container["volumeMounts"] += model_mounts
+
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ENGINE_USER_ID,
+            "runAsGroup": ENGINE_USER_ID,
+            "fsGroup": ENGINE_USER_ID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(toleration) for toleration in spec.tolerations]
+
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": naming.deployment_name(pool),
+            "labels": naming.object_labels(pool),
+            "annotations": {naming.DIGEST_ANNOTATION: digest},
+        },
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": naming.selector_labels(pool)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {
+                    "maxUnavailable": spec.max_unavailable,
+                    "maxSurge": spec.max_surge,
+                },
+            },
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {
+                    "labels": naming.pod_labels(pool),
+                    "annotations": {naming.DIGEST_ANNOTATION: digest},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }

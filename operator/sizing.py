@@ -1,0 +1,58 @@
+"""status.capacity of a pool, and the specs that cannot work, from the shared KV sizing formula."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmpool import capacity
+from llmpool.operator.engine_args import quantity_bytes
+from llmpool.operator.spec import PoolSpec
+
+# kvCacheDtype "auto" stores KV in the model's dtype; the built-in models run in bfloat16.
+KV_DTYPE_OF_CACHE_DTYPE = {"auto": "bfloat16", "fp8": "fp8"}
+
+
+@dataclass(frozen=True)
+class Sizing:
+    capacity: dict[str, Any]
+    problems: list[str] = field(default_factory=list)
+
+
+def builtin_shape(source: str) -> capacity.ModelShape | None:
+    if not source.startswith("builtin://"):
+        return None
+    return capacity.BUILTIN_MODEL_SHAPES.get(source.removeprefix("builtin://"))
+
+
+def size_pool(spec: PoolSpec) -> Sizing:
+    """KV bytes per token and sequences that fit, plus why the spec cannot be served, if so."""
+    shape = builtin_shape(spec.source)
+    if shape is None:
+        return Sizing({"message": "sizing needs the model's shape; known for built-in models only"})
+    kv_dtype = KV_DTYPE_OF_CACHE_DTYPE[spec.kv_cache_dtype]
+    result: dict[str, Any] = {"kvBytesPerToken": capacity.kv_bytes_per_token(shape, kv_dtype)}
+    problems = []
+    if spec.max_model_len > shape.max_position_embeddings:
+        problems.append(
+            f"maxModelLen is {spec.max_model_len:,}; the model's context is "
+            f"{shape.max_position_embeddings:,} tokens"
+        )
+    if spec.engine.kv_cache_memory is None:
+        result["message"] = "set engine.kvCacheMemory to size the KV cache per replica"
+    else:
+        memory = quantity_bytes(spec.engine.kv_cache_memory)
+        block_size = spec.engine.block_size
+        blocks = capacity.num_kv_blocks(shape, kv_dtype, block_size, memory)
+        result["kvBlocks"] = blocks
+        result["maxSequences"] = capacity.max_concurrent_sequences(
+            blocks, block_size, spec.max_model_len
+        )
+        if result["maxSequences"] == 0:
+            problems.append(
+                f"engine.kvCacheMemory holds {blocks * block_size:,} tokens of KV cache; "
+                f"one sequence of maxModelLen needs {spec.max_model_len:,}"
+            )
+    if problems:
+        result["message"] = "; ".join(problems)
+    return Sizing(result, problems)

@@ -1,0 +1,109 @@
+"""A typed view of an LLMPool spec, with the CRD's defaults for fields the API server left out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmpool import pinning
+from llmpool.operator import naming
+
+# The API server fills these from the CRD's `default:`s; a test keeps the two in step.
+DEFAULT_REPLICAS = 1
+DEFAULT_PRIORITY_CLASS = "interactive"
+DEFAULT_DRIFT_POLICY = "Report"
+DEFAULT_DRIFT_INTERVAL_SECONDS = 30
+DEFAULT_MAX_UNAVAILABLE = 1
+DEFAULT_MAX_SURGE = 1
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | str | None = None
+    block_size: int = pinning.DEFAULT_BLOCK_SIZE
+    enable_prefix_caching: bool = True
+    max_queue: int | None = None
+
+    @classmethod
+    def from_dict(cls, engine: Mapping[str, Any]) -> EngineSettings:
+        defaults = cls()
+        return cls(
+            max_num_seqs=engine.get("maxNumSeqs", defaults.max_num_seqs),
+            max_num_batched_tokens=engine.get(
+                "maxNumBatchedTokens", defaults.max_num_batched_tokens
+            ),
+            gpu_memory_utilization=engine.get(
+                "gpuMemoryUtilization", defaults.gpu_memory_utilization
+            ),
+            kv_cache_memory=engine.get("kvCacheMemory"),
+            block_size=engine.get("blockSize", defaults.block_size),
+            enable_prefix_caching=engine.get("enablePrefixCaching", defaults.enable_prefix_caching),
+            max_queue=engine.get("maxQueue"),
+        )
+
+
+@dataclass(frozen=True)
+class ChatTemplateRef:
+    """The user's ConfigMap holding a chat template (the operator copies it)."""
+
+    name: str
+    key: str = naming.CHAT_TEMPLATE_KEY
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    source: str
+    revision: str
+    served_name: str
+    replicas: int = DEFAULT_REPLICAS
+    chat_template: ChatTemplateRef | None = None
+    quantization: str = pinning.DEFAULT_QUANTIZATION
+    kv_cache_dtype: str = pinning.DEFAULT_KV_CACHE_DTYPE
+    max_model_len: int = pinning.DEFAULT_MAX_MODEL_LEN
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    priority_class: str = DEFAULT_PRIORITY_CLASS
+    drift_policy: str = DEFAULT_DRIFT_POLICY
+    drift_interval_seconds: int = DEFAULT_DRIFT_INTERVAL_SECONDS
+    max_unavailable: int = DEFAULT_MAX_UNAVAILABLE
+    max_surge: int = DEFAULT_MAX_SURGE
+    image: str | None = None
+    image_pull_policy: str | None = None
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: list[Mapping[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any]) -> PoolSpec:
+        model = spec["model"]
+        template = (spec.get("chatTemplate") or {}).get("configMapRef")
+        drift = spec.get("drift") or {}
+        rollout = spec.get("rollout") or {}
+        return cls(
+            source=model["source"],
+            revision=model["revision"],
+            served_name=model.get("servedName") or pinning.default_served_name(model["source"]),
+            replicas=spec.get("replicas", DEFAULT_REPLICAS),
+            chat_template=(
+                ChatTemplateRef(template["name"], template.get("key", naming.CHAT_TEMPLATE_KEY))
+                if template
+                else None
+            ),
+            quantization=spec.get("quantization", pinning.DEFAULT_QUANTIZATION),
+            kv_cache_dtype=spec.get("kvCacheDtype", pinning.DEFAULT_KV_CACHE_DTYPE),
+            max_model_len=spec.get("maxModelLen", pinning.DEFAULT_MAX_MODEL_LEN),
+            engine=EngineSettings.from_dict(spec.get("engine") or {}),
+            priority_class=spec.get("priorityClass", DEFAULT_PRIORITY_CLASS),
+            drift_policy=drift.get("policy", DEFAULT_DRIFT_POLICY),
+            drift_interval_seconds=drift.get("intervalSeconds", DEFAULT_DRIFT_INTERVAL_SECONDS),
+            max_unavailable=rollout.get("maxUnavailable", DEFAULT_MAX_UNAVAILABLE),
+            max_surge=rollout.get("maxSurge", DEFAULT_MAX_SURGE),
+            image=spec.get("image"),
+            image_pull_policy=spec.get("imagePullPolicy"),
+            resources=spec.get("resources") or {},
+            node_selector=spec.get("nodeSelector") or {},
+            tolerations=list(spec.get("tolerations") or []),
+        )

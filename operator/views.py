@@ -1,0 +1,103 @@
+"""Compact, immutable views of engine Pods and Deployments: what the operator keeps in its indexes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmpool.operator import naming
+
+
+@dataclass(frozen=True)
+class Termination:
+    exit_code: int | None
+    reason: str | None
+    message: str | None
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    uid: str
+    digest: str | None
+    ready: bool
+    ip: str | None
+    phase: str | None
+    terminating: bool
+    restart_count: int = 0
+    waiting_reason: str | None = None
+    terminated: Termination | None = None
+    last_terminated: Termination | None = None
+
+
+@dataclass(frozen=True)
+class DeploymentView:
+    generation: int
+    observed_generation: int
+    digest: str | None
+    replicas: int
+    status_replicas: int
+    ready_replicas: int
+    updated_replicas: int
+    available_replicas: int
+    progress_deadline_exceeded: bool
+
+
+def _termination(state: Mapping[str, Any] | None) -> Termination | None:
+    terminated = (state or {}).get("terminated")
+    if not terminated:
+        return None
+    return Termination(
+        exit_code=terminated.get("exitCode"),
+        reason=terminated.get("reason"),
+        message=terminated.get("message"),
+    )
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView:
+    metadata = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    conditions = status.get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    engine_statuses = [
+        s for s in status.get("containerStatuses") or [] if s.get("name") == "engine"
+    ]
+    engine = engine_statuses[0] if engine_statuses else {}
+    state = engine.get("state") or {}
+    return PodView(
+        name=metadata.get("name", ""),
+        uid=metadata.get("uid", ""),
+        digest=(metadata.get("annotations") or {}).get(naming.DIGEST_ANNOTATION),
+        ready=ready,
+        ip=status.get("podIP"),
+        phase=status.get("phase"),
+        terminating=metadata.get("deletionTimestamp") is not None,
+        restart_count=int(engine.get("restartCount") or 0),
+        waiting_reason=(state.get("waiting") or {}).get("reason"),
+        terminated=_termination(state),
+        last_terminated=_termination(engine.get("lastState")),
+    )
+
+
+def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
+    metadata = deployment.get("metadata") or {}
+    spec = deployment.get("spec") or {}
+    status = deployment.get("status") or {}
+    template_annotations = ((spec.get("template") or {}).get("metadata") or {}).get(
+        "annotations"
+    ) or {}
+    return DeploymentView(
+        generation=int(metadata.get("generation") or 0),
+        observed_generation=int(status.get("observedGeneration") or 0),
+        digest=template_annotations.get(naming.DIGEST_ANNOTATION),
+        replicas=int(spec.get("replicas", 1)),
+        status_replicas=int(status.get("replicas") or 0),
+        ready_replicas=int(status.get("readyReplicas") or 0),
+        updated_replicas=int(status.get("updatedReplicas") or 0),
+        available_replicas=int(status.get("availableReplicas") or 0),
+        progress_deadline_exceeded=any(
+            c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+            for c in status.get("conditions") or []
+        ),
+    )
