@@ -1,0 +1,158 @@
+"""classify_drift and the Recreate policy's choice of pods."""
+
+from __future__ import annotations
+
+import copy
+
+from llmpool import pinning
+from llmpool.operator.drift import DriftEntry, Fingerprint, classify_drift, pods_to_recreate
+from llmpool.operator.views import pod_view
+
+PINNED = pinning.pinned_fields(
+    source="builtin://smollm2-135m-instruct",
+    revision="sha256:" + "a" * 64,
+    served_name="smollm2",
+    chat_template="{{ messages }}",
+    quantization="none",
+    kv_cache_dtype="auto",
+    max_model_len=2048,
+    block_size=16,
+)
+DIGEST = pinning.pinned_digest(PINNED)
+OLD_DIGEST = "sha256:" + "0" * 64
+
+
+def body(pinned=None, weights="sha256:w", tokenizer="sha256:t") -> dict:
+    pinned = copy.deepcopy(PINNED if pinned is None else pinned)
+    return {
+        "pinned": pinned,
+        "observed": {
+            "weightsDigest": weights,
+            "tokenizerDigest": tokenizer,
+            "dtype": "float32",
+            "device": "cpu",
+            "engineVersion": "0.1.0",
+        },
+        "digest": pinning.pinned_digest(pinned),
+    }
+
+
+def fingerprint(pod: str, template_digest: str = DIGEST, **kwargs) -> Fingerprint:
+    return Fingerprint(pod=pod, template_digest=template_digest, body=body(**kwargs))
+
+
+def test_matching_replicas_have_no_drift():
+    assert classify_drift([fingerprint("a"), fingerprint("b")], PINNED, DIGEST) == []
+
+
+def test_a_different_chat_template_is_drift_with_field_detail():
+    other = {**PINNED, "chatTemplateSha256": "f" * 64}
+    entries = classify_drift([fingerprint("a"), fingerprint("b", pinned=other)], PINNED, DIGEST)
+    assert entries == [
+        DriftEntry("b", "chatTemplateSha256", PINNED["chatTemplateSha256"], "f" * 64)
+    ]
+
+
+def test_numbers_and_nulls_are_reported_as_text():
+    other = {**PINNED, "maxModelLen": 4096, "chatTemplateSha256": None}
+    entries = classify_drift([fingerprint("a", pinned=other)], PINNED, DIGEST)
+    assert {(e.field, e.actual) for e in entries} == {
+        ("chatTemplateSha256", "null"),
+        ("maxModelLen", "4096"),
+    }
+    assert entries[0].as_status()["expected"] == PINNED["chatTemplateSha256"]
+
+
+def test_pods_of_an_older_template_during_a_rollout_are_not_drift():
+    old_pinned = {**PINNED, "maxModelLen": 1024}
+    fingerprints = [
+        fingerprint("new-1"),
+        fingerprint("old-1", template_digest=OLD_DIGEST, pinned=old_pinned, weights="sha256:x"),
+        fingerprint("old-2", template_digest=OLD_DIGEST, pinned=old_pinned, weights="sha256:x"),
+    ]
+    assert classify_drift(fingerprints, PINNED, DIGEST) == []
+
+
+def test_weights_differing_from_the_majority_is_drift():
+    fingerprints = [fingerprint("a"), fingerprint("b"), fingerprint("c", weights="sha256:evil")]
+    assert classify_drift(fingerprints, PINNED, DIGEST) == [
+        DriftEntry("c", "observed.weightsDigest", "sha256:w", "sha256:evil")
+    ]
+
+
+def test_tokenizer_minority_is_drift():
+    fingerprints = [fingerprint("a"), fingerprint("b", tokenizer="sha256:t2"), fingerprint("c")]
+    [entry] = classify_drift(fingerprints, PINNED, DIGEST)
+    assert (entry.pod, entry.field) == ("b", "observed.tokenizerDigest")
+
+
+def test_a_tie_reports_every_pod_without_a_majority():
+    entries = classify_drift(
+        [fingerprint("a"), fingerprint("b", weights="sha256:x")], PINNED, DIGEST
+    )
+    assert [(e.pod, e.expected) for e in entries] == [("a", None), ("b", None)]
+    assert entries[0].as_status()["expected"] == "(no majority)"
+
+
+def test_a_digest_computed_differently_is_still_drift():
+    skewed = body()
+    skewed["digest"] = "sha256:" + "9" * 64
+    entries = classify_drift([Fingerprint("a", DIGEST, skewed)], PINNED, DIGEST)
+    assert entries == [DriftEntry("a", "digest", None, skewed["digest"])]
+
+
+def pods(make_pod, *specs):
+    return [pod_view(make_pod(name, digest=DIGEST, **kwargs)) for name, kwargs in specs]
+
+
+def drifted(*names: str, expected: str | None = "x") -> list[DriftEntry]:
+    return [DriftEntry(name, "chatTemplateSha256", expected, "y") for name in names]
+
+
+def test_recreate_one_pod_at_a_time(make_pod):
+    views = pods(make_pod, ("a", {}), ("b", {}), ("c", {}))
+    chosen = pods_to_recreate(
+        drifted("b", "c"),
+        views,
+        digest=DIGEST,
+        replicas=3,
+        max_unavailable=2,
+        rollout_in_progress=False,
+    )
+    assert chosen == ["b"]
+
+
+def test_never_during_a_rollout(make_pod):
+    views = pods(make_pod, ("a", {}), ("b", {}))
+    assert (
+        pods_to_recreate(
+            drifted("b"),
+            views,
+            digest=DIGEST,
+            replicas=2,
+            max_unavailable=1,
+            rollout_in_progress=True,
+        )
+        == []
+    )
+
+
+def test_never_beyond_max_unavailable(make_pod):
+    one_down = pods(make_pod, ("a", {}), ("b", {"ready": False}), ("c", {}))
+    kwargs = dict(digest=DIGEST, replicas=3, rollout_in_progress=False)
+    assert pods_to_recreate(drifted("c"), one_down, max_unavailable=1, **kwargs) == []
+    assert pods_to_recreate(drifted("c"), one_down, max_unavailable=2, **kwargs) == ["c"]
+    all_up = pods(make_pod, ("a", {}), ("b", {}), ("c", {}))
+    assert pods_to_recreate(drifted("c"), all_up, max_unavailable=0, **kwargs) == []
+
+
+def test_a_terminating_pod_counts_as_unavailable_and_is_not_chosen_again(make_pod):
+    views = pods(make_pod, ("a", {"deleting": True}), ("b", {}))
+    kwargs = dict(digest=DIGEST, replicas=2, max_unavailable=1, rollout_in_progress=False)
+    assert pods_to_recreate(drifted("a", "b"), views, **kwargs) == []
+
+
+def test_ties_are_never_recreated(make_pod):
+    views = pods(make_pod, ("a", {}), ("b", {}))
+    kwargs = dict(digest=DIGEST, replicas=2, max_unavailable=1, rollout_in_progress=False)
+    assert pods_to_recreate(drifted("a", "b", expected=None), views, **kwargs) == []

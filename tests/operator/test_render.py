@@ -1,0 +1,191 @@
+"""Renderers: the ConfigMap, Service and Deployment of a pool as pure functions of its spec."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmpool import pinning
+from llmpool.operator import naming
+from llmpool.operator.engine_args import engine_args
+from llmpool.operator.render import render_configmap, render_deployment, render_service
+from llmpool.operator.spec import PoolSpec
+
+IMAGE = "registry.example/llmpool:1"
+
+
+def render(spec: dict, template: str | None) -> dict:
+    pinned = pinning.pinned_from_spec(spec, template)
+    return render_deployment("chat", PoolSpec.from_dict(spec), pinning.pinned_digest(pinned), IMAGE)
+
+
+def engine_container(deployment: dict) -> dict:
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_engine_args_carry_the_spec(chat_spec):
+    args = engine_args(PoolSpec.from_dict(chat_spec))
+    assert args[0] == "builtin://smollm2-135m-instruct"
+    assert flag(args, "--served-model-name") == "smollm2"
+    assert flag(args, "--revision") == chat_spec["model"]["revision"]
+    assert flag(args, "--max-model-len") == "2048"
+    assert flag(args, "--max-num-seqs") == "32"
+    assert flag(args, "--max-num-batched-tokens") == "512"
+    assert flag(args, "--block-size") == "16"
+    assert flag(args, "--gpu-memory-utilization") == "0.9"
+    assert flag(args, "--kv-cache-dtype") == "auto"
+    assert flag(args, "--kv-cache-memory") == str(256 * 1024**2)
+    assert flag(args, "--chat-template") == "/etc/llmpool/chat-template/template"
+    assert flag(args, "--priority-class") == "interactive"
+    assert flag(args, "--port") == "8000" and flag(args, "--host") == "0.0.0.0"
+    assert "--enable-prefix-caching" in args
+    assert "--quantization" not in args  # none is the engine's default
+
+
+def test_engine_args_optional_flags(batch_spec):
+    spec = {
+        **batch_spec,
+        "quantization": "int8",
+        "engine": {**batch_spec["engine"], "enablePrefixCaching": False, "maxQueue": 100},
+    }
+    args = engine_args(PoolSpec.from_dict(spec))
+    assert flag(args, "--quantization") == "int8"
+    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+    assert flag(args, "--max-queue") == "100"
+    assert flag(args, "--priority-class") == "batch"
+    assert "--chat-template" not in args
+
+
+def test_deployment_shape(chat_spec, chat_template):
+    deployment = render(chat_spec, chat_template)
+    digest = pinning.pinned_digest(pinning.pinned_from_spec(chat_spec, chat_template))
+    assert deployment["metadata"]["name"] == "chat"
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "llmpool-engine",
+        "llmpool.dev/pool": "chat",
+    }
+    template = deployment["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "llmpool-engine"
+    assert labels["app.kubernetes.io/instance"] == "chat"
+    assert labels["llmpool.dev/pool"] == "chat"
+    assert template["metadata"]["annotations"] == {"llmpool.dev/pinned-digest": digest}
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 1}
+
+    container = engine_container(deployment)
+    assert container["image"] == IMAGE
+    assert container["command"] == ["llmpool", "serve"]
+    assert container["args"] == engine_args(PoolSpec.from_dict(chat_spec))
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert container["resources"] == chat_spec["resources"]
+
+
+def test_security_context(chat_spec, chat_template):
+    deployment = render(chat_spec, chat_template)
+    pod = deployment["spec"]["template"]["spec"]
+    security = engine_container(deployment)["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] == 10001
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False
+    mounts = {m["mountPath"]: m["name"] for m in engine_container(deployment)["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/tmp"]] == {"name": "tmp", "emptyDir": {}}
+
+
+def test_chat_template_is_mounted_from_the_pools_configmap(chat_spec, chat_template):
+    deployment = render(chat_spec, chat_template)
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["chat-template"]["configMap"]["name"] == naming.configmap_name("chat")
+    mount = next(
+        m for m in engine_container(deployment)["volumeMounts"] if m["name"] == "chat-template"
+    )
+    assert mount == {
+        "name": "chat-template",
+        "mountPath": "/etc/llmpool/chat-template",
+        "readOnly": True,
+    }
+
+
+def test_no_template_no_mount(batch_spec):
+    deployment = render(batch_spec, None)
+    names = [v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]]
+    assert names == ["tmp"]
+
+
+def test_pvc_source_is_mounted_read_only(batch_spec):
+    spec = {
+        **batch_spec,
+        "model": {"source": "pvc://weights/llama", "revision": "sha256:" + "1" * 64},
+    }
+    deployment = render(spec, None)
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    mount = next(m for m in engine_container(deployment)["volumeMounts"] if m["name"] == "model")
+    assert mount["mountPath"] == "/models/pvc/weights" and mount["readOnly"]
+    assert engine_container(deployment)["args"][0] == "/models/pvc/weights/llama"
+
+
+def test_scaling_keeps_the_pod_template(chat_spec, chat_template):
+    before = render(chat_spec, chat_template)
+    after = render({**chat_spec, "replicas": 5}, chat_template)
+    assert after["spec"]["replicas"] == 5
+    assert after["spec"]["template"] == before["spec"]["template"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"maxModelLen": 4096}, {"quantization": "fp8"}, {"engine": {"blockSize": 32}}],
+)
+def test_pinned_change_changes_the_digest_annotation(chat_spec, chat_template, change):
+    before = render(chat_spec, chat_template)["spec"]["template"]["metadata"]["annotations"]
+    after = render({**chat_spec, **change}, chat_template)["spec"]["template"]["metadata"]
+    assert after["annotations"][naming.DIGEST_ANNOTATION] != before[naming.DIGEST_ANNOTATION]
+
+
+def test_template_edit_changes_the_digest_annotation(chat_spec, chat_template):
+    before = render(chat_spec, chat_template)["spec"]["template"]["metadata"]["annotations"]
+    after = render(chat_spec, chat_template + "\n")["spec"]["template"]["metadata"]["annotations"]
+    assert before != after
+
+
+def test_rendering_is_deterministic(chat_spec, chat_template):
+    assert render(chat_spec, chat_template) == render(dict(chat_spec), chat_template)
+
+
+def test_configmap_holds_the_exact_template_and_the_pin(chat_spec, chat_template):
+    pinned = pinning.pinned_from_spec(chat_spec, chat_template)
+    configmap = render_configmap("chat", pinned, chat_template)
+    assert configmap["metadata"]["name"] == "chat-engine"
+    assert configmap["data"]["template"] == chat_template
+    assert configmap["data"]["pinned.json"] == pinning.canonical_json(pinned)
+    assert render_configmap("chat", pinned, None)["data"].keys() == {"pinned.json"}
+
+
+def test_service_selects_the_engine_pods():
+    service = render_service("chat")
+    assert service["metadata"]["name"] == "chat"
+    assert service["spec"]["selector"] == naming.selector_labels("chat")
+    assert service["spec"]["ports"][0]["port"] == 8000
+    assert naming.endpoint("chat", "team") == "http://chat.team.svc:8000/v1"
+
+
+def test_children_carry_the_pool_labels(chat_spec, chat_template):
+    pinned = pinning.pinned_from_spec(chat_spec, chat_template)
+    for child in (
+        render_configmap("chat", pinned, chat_template),
+        render_service("chat"),
+        render(chat_spec, chat_template),
+    ):
+        assert child["metadata"]["labels"]["llmpool.dev/pool"] == "chat"
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "llmpool-operator"

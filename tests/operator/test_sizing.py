@@ -1,0 +1,46 @@
+"""status.capacity from the shared KV sizing formula."""
+
+from __future__ import annotations
+
+from llmpool import capacity
+from llmpool.operator.sizing import size_pool
+from llmpool.operator.spec import PoolSpec
+
+SHAPE = capacity.BUILTIN_MODEL_SHAPES["smollm2-135m-instruct"]
+
+
+def test_builtin_capacity(chat_spec):
+    sizing = size_pool(PoolSpec.from_dict(chat_spec))
+    per_token = capacity.kv_bytes_per_token(SHAPE, "bfloat16")
+    blocks = 256 * 1024**2 // (per_token * 16)
+    assert sizing.capacity == {
+        "kvBytesPerToken": per_token,
+        "kvBlocks": blocks,
+        "maxSequences": blocks // (2048 // 16),
+    }
+    assert sizing.problems == []
+
+
+def test_fp8_halves_the_kv_bytes(chat_spec):
+    auto = size_pool(PoolSpec.from_dict(chat_spec)).capacity["kvBytesPerToken"]
+    fp8 = size_pool(PoolSpec.from_dict({**chat_spec, "kvCacheDtype": "fp8"})).capacity
+    assert fp8["kvBytesPerToken"] * 2 == auto
+
+
+def test_impossible_spec(chat_spec):
+    spec = {**chat_spec, "engine": {**chat_spec["engine"], "kvCacheMemory": "1Mi"}}
+    sizing = size_pool(PoolSpec.from_dict(spec))
+    assert sizing.capacity["maxSequences"] == 0
+    [problem] = sizing.problems
+    assert "2,048" in problem and "kvCacheMemory" in problem
+
+
+def test_unknown_memory_and_unknown_models(chat_spec):
+    no_memory = {
+        **chat_spec,
+        "engine": {k: v for k, v in chat_spec["engine"].items() if k != "kvCacheMemory"},
+    }
+    sizing = size_pool(PoolSpec.from_dict(no_memory))
+    assert "maxSequences" not in sizing.capacity and "kvCacheMemory" in sizing.capacity["message"]
+    other = {**chat_spec, "model": {"source": "file:///m", "revision": "sha256:" + "1" * 64}}
+    assert set(size_pool(PoolSpec.from_dict(other)).capacity) == {"message"}

@@ -1,0 +1,215 @@
+"""Status computation: rollout state, Ready only after the rollout, Degraded reasons, patches."""
+
+from __future__ import annotations
+
+from llmpool.operator import naming
+from llmpool.operator.conditions import find
+from llmpool.operator.drift import DriftEntry
+from llmpool.operator.status import (
+    Observation,
+    compute_status,
+    reconciled_status,
+    rollout_state,
+    short_revision,
+    status_patch,
+)
+from llmpool.operator.views import deployment_view, pod_view
+
+DIGEST = "sha256:" + "d" * 64
+OLD = "sha256:" + "0" * 64
+NOW = "2026-01-01T00:00:00Z"
+
+
+def observe(make_pod, make_deployment, pods, deployment=None, **kwargs) -> Observation:
+    fields = dict(
+        pool="chat",
+        generation=3,
+        reconciled_generation=3,
+        replicas=2,
+        digest=DIGEST,
+        deployment=deployment_view(deployment or make_deployment()),
+        pods=[pod_view(make_pod(name, **spec)) for name, spec in pods],
+    )
+    fields.update(kwargs)
+    return Observation(**fields)
+
+
+def status_of(observation: Observation, previous: dict | None = None) -> dict:
+    return compute_status(observation, previous or {}, now=NOW)
+
+
+def condition(status: dict, kind: str) -> tuple[str, str]:
+    found = find(status["conditions"], kind)
+    assert found is not None
+    return found["status"], found["reason"]
+
+
+def test_ready_when_every_replica_serves_the_digest(make_pod, make_deployment):
+    status = status_of(observe(make_pod, make_deployment, [("a", {}), ("b", {})]))
+    assert condition(status, "Ready") == ("True", "AllReplicasReady")
+    assert condition(status, "Progressing") == ("False", "RolloutComplete")
+    assert condition(status, "Degraded") == ("False", "AsExpected")
+    assert condition(status, "Drifted") == ("Unknown", "NotChecked")
+    assert status["replicas"] == status["readyReplicas"] == status["updatedReplicas"] == 2
+    assert status["replicaSummary"] == "2/2"
+    assert status["selector"] == "app.kubernetes.io/name=llmpool-engine,llmpool.dev/pool=chat"
+    assert all(c["observedGeneration"] == 3 for c in status["conditions"])
+
+
+def test_not_ready_while_old_pods_remain(make_pod, make_deployment):
+    """Counts can look complete while an old-template pod is still serving."""
+    pods = [("a", {}), ("b", {}), ("old", {"digest": OLD})]
+    deployment = make_deployment(status_replicas=3)
+    status = status_of(observe(make_pod, make_deployment, pods, deployment))
+    assert condition(status, "Ready") == ("False", "RollingOut")
+    assert "old" in find(status["conditions"], "Ready")["message"]
+
+
+def test_not_ready_before_the_deployment_controller_saw_the_template(make_pod, make_deployment):
+    deployment = make_deployment(generation=2, observed_generation=1)
+    status = status_of(observe(make_pod, make_deployment, [("a", {}), ("b", {})], deployment))
+    assert condition(status, "Ready") == ("False", "RollingOut")
+
+
+def test_not_ready_while_the_deployment_has_the_old_digest(make_pod, make_deployment):
+    deployment = make_deployment(digest=OLD)
+    status = status_of(observe(make_pod, make_deployment, [("a", {}), ("b", {})], deployment))
+    assert condition(status, "Progressing") == ("True", "RollingOut")
+
+
+def test_not_ready_until_updated_equals_ready_equals_replicas(make_pod, make_deployment):
+    deployment = make_deployment(ready=1, updated=2)
+    pods = [("a", {}), ("b", {"ready": False})]
+    status = status_of(observe(make_pod, make_deployment, pods, deployment))
+    assert condition(status, "Ready") == ("False", "Scaling")
+    assert status["replicaSummary"] == "1/2"
+
+
+def test_not_ready_before_the_spec_was_reconciled(make_pod, make_deployment):
+    observation = observe(
+        make_pod, make_deployment, [("a", {}), ("b", {})], reconciled_generation=2
+    )
+    assert condition(status_of(observation), "Ready") == ("False", "Reconciling")
+
+
+def test_scaled_to_zero(make_pod, make_deployment):
+    deployment = make_deployment(replicas=0, ready=0, updated=0)
+    status = status_of(observe(make_pod, make_deployment, [], deployment, replicas=0))
+    assert condition(status, "Ready") == ("False", "ScaledToZero")
+
+
+def test_no_deployment_yet(make_pod, make_deployment):
+    observation = observe(make_pod, make_deployment, [])
+    observation = Observation(**{**observation.__dict__, "deployment": None})
+    status = status_of(observation)
+    assert condition(status, "Ready") == ("False", "Reconciling")
+    assert status["replicas"] == 0
+
+
+def test_revision_mismatch_from_the_termination_message(make_pod, make_deployment):
+    crashed = {
+        "waiting": "CrashLoopBackOff",
+        "ready": False,
+        "last_terminated": {
+            "exitCode": 3,
+            "reason": "Error",
+            "message": "RevisionMismatch: builtin://x has revision sha256:1, but sha256:2 was pinned\n",
+        },
+    }
+    status = status_of(observe(make_pod, make_deployment, [("a", crashed), ("b", crashed)]))
+    assert condition(status, "Degraded") == ("True", "RevisionMismatch")
+    message = find(status["conditions"], "Degraded")["message"]
+    assert "sha256:2 was pinned" in message and "pod a" in message
+    assert condition(status, "Ready")[0] == "False"
+
+
+def test_revision_mismatch_on_a_first_failure(make_pod, make_deployment):
+    failed = {"ready": False, "terminated": {"exitCode": 3, "message": "RevisionMismatch: x"}}
+    status = status_of(observe(make_pod, make_deployment, [("a", failed)]))
+    assert condition(status, "Degraded") == ("True", "RevisionMismatch")
+
+
+def test_other_crash_loops(make_pod, make_deployment):
+    crashed = {
+        "waiting": "CrashLoopBackOff",
+        "ready": False,
+        "last_terminated": {"exitCode": 1, "message": "Traceback ...\nValueError: boom"},
+    }
+    status = status_of(observe(make_pod, make_deployment, [("a", crashed), ("b", {})]))
+    assert condition(status, "Degraded") == ("True", "CrashLoopBackOff")
+    assert "Traceback" in find(status["conditions"], "Degraded")["message"]
+
+
+def test_configuration_problems_degrade(make_pod, make_deployment):
+    observation = observe(
+        make_pod, make_deployment, [("a", {}), ("b", {})], problems=["no template"]
+    )
+    assert condition(status_of(observation), "Degraded") == ("True", "InvalidConfiguration")
+
+
+def test_drift_report(make_pod, make_deployment):
+    entries = [DriftEntry("b", "chatTemplateSha256", "aa", "bb")]
+    observation = observe(
+        make_pod, make_deployment, [("a", {}), ("b", {})], drift=entries, checked_replicas=2
+    )
+    status = status_of(observation)
+    assert condition(status, "Drifted") == ("True", "ReplicasDrifted")
+    assert status["drift"] == [
+        {"pod": "b", "field": "chatTemplateSha256", "expected": "aa", "actual": "bb"}
+    ]
+    clean = observe(make_pod, make_deployment, [("a", {}), ("b", {})], drift=[], checked_replicas=2)
+    later = status_of(clean, status)
+    assert condition(later, "Drifted") == ("False", "NoDrift")
+    assert later["drift"] == []
+
+
+def test_unchecked_drift_keeps_the_previous_report(make_pod, make_deployment):
+    entries = [DriftEntry("b", "maxModelLen", "1", "2")]
+    first = status_of(
+        observe(
+            make_pod, make_deployment, [("a", {}), ("b", {})], drift=entries, checked_replicas=2
+        )
+    )
+    second = status_of(observe(make_pod, make_deployment, [("a", {}), ("b", {})]), first)
+    assert "drift" not in second
+    assert condition(second, "Drifted") == ("True", "ReplicasDrifted")
+
+
+def test_quiet_pool_needs_no_patch(make_pod, make_deployment):
+    observation = observe(make_pod, make_deployment, [("a", {}), ("b", {})])
+    first = status_of(observation)
+    assert status_patch(first, status_of(observation, first)) == {}
+
+
+def test_status_patch_deletes_nested_keys_but_not_other_fields():
+    previous = {"capacity": {"kvBytesPerToken": 1, "message": "old"}, "endpoint": "x", "other": 1}
+    new = {"capacity": {"kvBytesPerToken": 1, "maxSequences": 2}, "endpoint": "x"}
+    assert status_patch(previous, new) == {"capacity": {"maxSequences": 2, "message": None}}
+
+
+def test_reconciled_status():
+    pinned = {"revision": "sha256:" + "ab" * 32, "chatTemplateSha256": None}
+    status = reconciled_status(
+        pool="chat", namespace="team", generation=4, pinned=pinned, digest=DIGEST, capacity={}
+    )
+    assert status["observedGeneration"] == 4
+    assert status["pinnedDigest"] == DIGEST
+    assert status["endpoint"] == "http://chat.team.svc:8000/v1"
+    assert status["shortRevision"] == "abababababab"
+    assert status["selector"] == naming.selector_string("chat")
+
+
+def test_short_revision_of_a_commit():
+    assert short_revision("0123456789abcdef0123456789abcdef01234567") == "0123456789ab"
+
+
+def test_rollout_state_counts_terminating_pods_out(make_pod, make_deployment):
+    pods = [
+        pod_view(make_pod("a")),
+        pod_view(make_pod("b")),
+        pod_view(make_pod("gone", digest=OLD, deleting=True)),
+    ]
+    rollout = rollout_state(
+        deployment_view(make_deployment()), pods, digest=DIGEST, replicas=2, reconciled=True
+    )
+    assert rollout.complete and not rollout.in_progress
