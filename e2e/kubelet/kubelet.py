@@ -27,7 +27,7 @@ class Kubelet:
     ) -> None:
         self.api = api
         self.node = NodeAgent(api, node_name, KUBELET_PORT)
-        allocatable = node_status(KUBELET_PORT, "")["allocatable"]
+        allocatable = node_status(node_name, KUBELET_PORT, "")["allocatable"]
         self.ctx = NodeContext(
             api=api, node_name=node_name, host_ip=topology.POD_GATEWAY,
             allocator=network.Allocator(), root_dir=root_dir, log_dir=log_dir,

@@ -30,7 +30,7 @@ def _memory_kib() -> int:
     raise RuntimeError("MemTotal missing from /proc/meminfo")
 
 
-def node_status(kubelet_port: int, since: str) -> Json:
+def node_status(name: str, kubelet_port: int, since: str) -> Json:
     resources = {
         "cpu": str(os.cpu_count() or 1),
         "memory": f"{_memory_kib()}Ki",
@@ -58,7 +58,7 @@ def node_status(kubelet_port: int, since: str) -> Json:
         ],
         "addresses": [
             {"type": "InternalIP", "address": topology.POD_GATEWAY},
-            {"type": "Hostname", "address": topology.NODE_NAME},
+            {"type": "Hostname", "address": name},
         ],
         "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
         "nodeInfo": {
@@ -96,7 +96,6 @@ class NodeAgent:
                     "kubernetes.io/arch": "amd64",
                 },
             },
-            "spec": {"podCIDR": topology.POD_CIDR, "podCIDRs": [topology.POD_CIDR]},
         }
         try:
             self.api.create("/api/v1/nodes", body)
@@ -109,7 +108,7 @@ class NodeAgent:
     def _post_status(self) -> None:
         self.api.patch(
             f"/api/v1/nodes/{self.name}/status",
-            {"status": node_status(self.kubelet_port, self._since)},
+            {"status": node_status(self.name, self.kubelet_port, self._since)},
         )
 
     def _renew_lease(self) -> None:

@@ -1,0 +1,67 @@
+"""Session fixtures for the e2e tests: a real control plane and the local kubelet.
+
+The cluster is built (or taken from the cache), started once per session and stopped at
+the end; a cluster already started with ``e2e/cluster up`` is reused and left running.
+When a test fails, the daemons' and pods' logs are copied to ``e2e/.logs/<time>/``
+(or ``$LLMPOOL_E2E_LOGS``) and their tails printed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from controlplane.cluster import Cluster  # noqa: E402
+from harness import ClusterHandle, wait_for  # noqa: E402
+
+LOG_TAIL_LINES = 40
+
+
+def _report_logs(request: pytest.FixtureRequest, cluster: Cluster) -> None:
+    default = Path(__file__).resolve().parent / ".logs" / time.strftime("%Y%m%d-%H%M%S")
+    dest = cluster.save_logs(Path(os.environ.get("LLMPOOL_E2E_LOGS", default)))
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    write = reporter.write_line if reporter else print
+    write(f"e2e: tests failed; cluster and pod logs kept in {dest}")
+    for log in sorted(dest.rglob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        write(f"----- {log.relative_to(dest)} (last {len(lines)} lines)")
+        for line in lines:
+            write(f"  {line}")
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterHandle]:
+    control_plane = Cluster()
+    reused = control_plane.running()
+    control_plane.up()
+    env = {**os.environ, **control_plane.env()}
+    yield ClusterHandle(control_plane.kubeconfig, env, control_plane.logs_dir)
+    if request.session.testsfailed:
+        _report_logs(request, control_plane)
+    if not reused:
+        control_plane.down()
+
+
+@pytest.fixture
+def namespace(cluster: ClusterHandle) -> Iterator[str]:
+    """A fresh namespace per test, deleted (without waiting) afterwards."""
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    # Pods are admitted only once the namespace has its default service account.
+    for kind, obj in (("serviceaccount", "default"), ("configmap", "kube-root-ca.crt")):
+        wait_for(
+            f"{kind} {obj} in {name}",
+            lambda k=kind, o=obj: cluster.kubectl("get", k, o, "-n", name, check=False),
+            30,
+        )
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
