@@ -1,0 +1,86 @@
+"""EngineConfig: every engine setting in one dataclass that checks itself (vLLM's names)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``2GiB``, ``512MB``, ``1e9`` or an int; the memory flags accept all of these."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgG]i?)?[bB]?\s*", value)
+    if not match:
+        raise ValueError(f"cannot read {value!r} as a size in bytes (e.g. 2GiB, 512MB, 1000000)")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the built-in model
+    revision: str | None = None  # pinned content digest; the engine refuses other files
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | str | None = None  # bytes for the KV pool; default from device memory
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        checks = [
+            (self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}"),
+            (
+                self.max_num_batched_tokens >= 1,
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
+            ),
+            (1 <= self.block_size <= 256, f"block_size must be in 1..256, got {self.block_size}"),
+            (
+                self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+                f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}",
+            ),
+            (
+                self.num_kv_blocks is None or self.kv_cache_memory is None,
+                "give num_kv_blocks or kv_cache_memory, not both",
+            ),
+            (
+                0.0 < self.gpu_memory_utilization <= 1.0,
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+            ),
+            (
+                self.max_model_len is None or self.max_model_len >= 1,
+                f"max_model_len must be at least 1, got {self.max_model_len}",
+            ),
+            (
+                self.dtype == "auto" or self.dtype in DTYPES,
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

@@ -1,0 +1,262 @@
+"""EngineCore: loads the model and KV pool, then runs schedule -> forward -> sample, step by step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from llmpool import capacity
+from llmpool.engine import model_source
+from llmpool.engine.attention import select_backend
+from llmpool.engine.config import EngineConfig
+from llmpool.engine.detokenizer import IncrementalDetokenizer
+from llmpool.engine.kv_cache_manager import KVCacheManager
+from llmpool.engine.model_runner import ModelRunner
+from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
+from llmpool.engine.models.loader import SUPPORTED_MODEL_TYPES, load_weights
+from llmpool.engine.outputs import RequestDelta
+from llmpool.engine.request import Request, RequestStatus
+from llmpool.engine.sampling_params import SamplingParams
+from llmpool.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that cannot fit the context window; the server answers 400 with these numbers."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+
+
+def model_shape_for_capacity(shape: LlamaShape, num_parameters: int) -> capacity.ModelShape:
+    return capacity.ModelShape(
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        num_parameters=num_parameters,
+        max_position_embeddings=shape.max_position_embeddings,
+    )
+
+
+class EngineCore:
+    """The synchronous engine: no threads, no event loop; the async front end drives ``step()``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.resolved = model_source.resolve(config.model)
+        model_source.verify_revision(self.resolved, config.revision)
+        folder = self.resolved.folder
+        hf_config = AutoConfig.from_pretrained(folder)
+        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {hf_config.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.shape = LlamaShape.from_hf_config(hf_config)
+        self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
+        if self.max_model_len > self.shape.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len:,} exceeds the model's context length"
+                f" {self.shape.max_position_embeddings:,}"
+            )
+        self.eos_token_ids = _eos_token_ids(folder, self.tokenizer)
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.backend = select_backend(self.device, config.attention_backend)
+
+        model = LlamaForCausalLM(self.shape, self.backend, max_positions=self.max_model_len)
+        load_weights(model, folder)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.cos_sin_cache = self.model.cos_sin_cache.to(self.device)
+        num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.capacity_shape = model_shape_for_capacity(self.shape, num_parameters)
+
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_caches = [
+            (
+                torch.zeros(num_blocks, config.block_size, self.shape.num_kv_heads, self.shape.head_dim,
+                            dtype=self.dtype, device=self.device),
+                torch.zeros(num_blocks, config.block_size, self.shape.num_kv_heads, self.shape.head_dim,
+                            dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.shape.num_layers)
+        ]
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self.runner = ModelRunner(self.model, self.kv_caches, self.kv_cache_manager, self.device)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        logger.info(
+            "engine ready: %s (%s) on %s/%s, backend %s, %d KV blocks of %d tokens (%s tokens), max_model_len %d",
+            self.resolved.source, self.shape.num_layers, self.device, str(self.dtype).removeprefix("torch."),
+            self.backend.name, num_blocks, config.block_size, f"{num_blocks * config.block_size:,}",
+            self.max_model_len,
+        )
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def _num_kv_blocks(self) -> int:
+        config = self.config
+        block_size = config.block_size
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            memory = config.kv_cache_memory or self._default_kv_cache_bytes()
+            num_blocks = capacity.num_kv_blocks(self.capacity_shape, self.kv_dtype_name, block_size, int(memory))
+            # More blocks than every sequence at full length could use is memory for nothing.
+            num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV pool holds {num_blocks * block_size:,} tokens ({num_blocks} blocks of {block_size}),"
+                f" fewer than one sequence of max_model_len {self.max_model_len:,}; lower max_model_len"
+                " or give the cache more memory"
+            )
+        return num_blocks
+
+    def _default_kv_cache_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_CACHE_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free
+        # Keep room for one step's activations and logits beside the weights already loaded.
+        activations = self.config.max_num_batched_tokens * (
+            self.shape.hidden_size * 16 + self.shape.vocab_size * 4
+        )
+        budget = int(total * self.config.gpu_memory_utilization) - used_by_others - activations
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization {self.config.gpu_memory_utilization} leaves no memory for the KV cache"
+            )
+        return budget
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request; a prompt that cannot fit raises PromptTooLongError before queuing."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt >= self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len:,} tokens; the prompt has"
+                f" {num_prompt:,} tokens, leaving no room to generate"
+            )
+        vocab = self.shape.vocab_size
+        if any(not 0 <= token < vocab for token in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request = Request(
+            request_id, prompt_token_ids, sampling_params, self.eos_token_ids, arrival_time, priority
+        )
+        self.scheduler.add_request(request)
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            sampling_params.stop,
+            sampling_params.include_stop_str_in_output,
+            sampling_params.skip_special_tokens,
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.scheduler.abort_request(request_id)
+            self.detokenizers.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        self.runner.timings.schedule += time.perf_counter() - started
+        if scheduled.is_empty:
+            return []
+        sampling_requests, sampled = self.runner.execute(scheduled)
+        token_by_request = {
+            request.request_id: token
+            for request, token in zip(sampling_requests, sampled.token_ids, strict=True)
+        }
+        logprobs_by_request = {
+            request.request_id: entry
+            for request, entry in zip(sampling_requests, sampled.logprobs, strict=True)
+        }
+        changed = self.scheduler.update_from_output(scheduled, token_by_request)
+        return [self._delta(request, logprobs_by_request[request.request_id]) for request in changed]
+
+    def _delta(self, request: Request, logprobs: dict[int, float] | None) -> RequestDelta:
+        token_id = request.all_token_ids[-1]
+        detokenizer = self.detokenizers[request.request_id]
+        stop_string = detokenizer.add_token(token_id)
+        if stop_string is not None and not request.status.finished:
+            request.stop_reason = stop_string
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        finished = request.status.finished
+        if finished:
+            del self.detokenizers[request.request_id]
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            new_text=detokenizer.take_new_text(finished),
+            new_logprobs=[logprobs] if logprobs is not None else [],
+            finished=finished,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_total_blocks=self.kv_cache_manager.num_total_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+
+def _eos_token_ids(folder: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json (may be a list) plus the tokenizer's own."""
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+    except OSError:
+        eos = None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,109 @@
+"""LLM: the offline API, shaped like vLLM's so that its users feel at home."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm import tqdm
+
+from llmpool.engine.config import EngineConfig
+from llmpool.engine.engine_core import EngineCore, EngineStats
+from llmpool.engine.outputs import CompletionOutput, RequestOutput
+from llmpool.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """``LLM(model=None)`` serves the built-in model; other keywords are EngineConfig fields."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.engine.scheduler.num_preemptions
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts))
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = str(next(self._ids))
+            order.append(request_id)
+            results[request_id] = RequestOutput(
+                request_id=request_id,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=token_ids,
+                outputs=[CompletionOutput(index=i) for i in range(prompt_params.n)],
+            )
+            for child in range(prompt_params.n):
+                child_params = prompt_params
+                if prompt_params.n > 1 and prompt_params.seed is not None:
+                    child_params = replace(prompt_params, seed=prompt_params.seed + child)
+                self.engine.add_request(
+                    f"{request_id}-{child}",
+                    token_ids,
+                    child_params,
+                    priority=priority[index] if priority else 0,
+                )
+        total = sum(p.n for p in params)
+        with tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm) as progress:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    parent_id, child = delta.request_id.rsplit("-", 1)
+                    completion = results[parent_id].outputs[int(child)]
+                    completion.token_ids.extend(delta.new_token_ids)
+                    completion.text += delta.new_text
+                    if delta.new_logprobs:
+                        completion.logprobs = (completion.logprobs or []) + delta.new_logprobs
+                    if delta.finished:
+                        completion.finish_reason = delta.finish_reason
+                        completion.stop_reason = delta.stop_reason
+                        progress.update()
+        for output in results.values():
+            output.finished = True
+        return [results[request_id] for request_id in order]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            for conversation in conversations
+        ]
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+
+
+def _per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams], count: int
+) -> list[SamplingParams]:
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if len(sampling_params) != count:
+        raise ValueError(f"{len(sampling_params)} sampling params for {count} prompts")
+    return list(sampling_params)

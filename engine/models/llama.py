@@ -1,0 +1,189 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) written for a paged KV cache and flat batches."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmpool.engine.attention import AttentionMetadata, Backend
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The numbers of a checkpoint's config that the forward pass needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    qkv_bias: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> LlamaShape:
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        # transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta/rope_scaling.
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        rope_theta = rope.pop("rope_theta", None) or getattr(config, "rope_theta", 10000.0)
+        scaling = rope or getattr(config, "rope_scaling", None)
+        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+            scaling = None
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=config.max_position_embeddings,
+            qkv_bias=bool(
+                getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+            ),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+def rope_cos_sin_cache(shape: LlamaShape, max_positions: int) -> torch.Tensor:
+    """``[max_positions, head_dim]`` float32: cos of each frequency, then sin.
+
+    Computed as transformers does (int64 arange, float32 inverse frequencies), so positions
+    rotate bit for bit like the reference; ``llama3`` and ``linear`` scaling are supported.
+    """
+    dim = shape.head_dim
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = shape.rope_scaling
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        else:
+            raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.shape = shape
+        q_size = shape.num_heads * shape.head_dim
+        kv_size = shape.num_kv_heads * shape.head_dim
+        self.input_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
+        self.qkv_proj = nn.Linear(shape.hidden_size, q_size + 2 * kv_size, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(q_size, shape.hidden_size, bias=False)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.scale = shape.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        attention_plan: Any,
+        cos_sin_cache: torch.Tensor,
+        backend: Backend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = self.shape
+        eps = shape.rms_norm_eps
+        if residual is None:
+            residual = hidden
+            hidden = backend.rms_norm(hidden, self.input_layernorm, eps)
+        else:
+            hidden, residual = backend.fused_add_rms_norm(
+                hidden, residual, self.input_layernorm, eps
+            )
+        num_tokens = hidden.shape[0]
+        query, key, value = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        query = query.view(num_tokens, shape.num_heads, shape.head_dim)
+        key = key.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+        value = value.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+        query, key = backend.rotary_embedding(positions, query, key, cos_sin_cache)
+        key_cache, value_cache = kv_cache
+        backend.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        attended = backend.paged_attention(query, key_cache, value_cache, attention_plan, self.scale)
+        hidden = self.o_proj(attended.view(num_tokens, -1))
+
+        hidden, residual = backend.fused_add_rms_norm(
+            hidden, residual, self.post_attention_layernorm, eps
+        )
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head over a flat batch of tokens."""
+
+    def __init__(self, shape: LlamaShape, backend: Backend, max_positions: int) -> None:
+        super().__init__()
+        self.shape = shape
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(shape) for _ in range(shape.num_layers))
+        self.norm = nn.Parameter(torch.ones(shape.hidden_size))
+        if shape.tie_word_embeddings:
+            self.lm_head = self.embed_tokens.weight
+        else:
+            self.lm_head = nn.Parameter(torch.empty(shape.vocab_size, shape.hidden_size))
+        # A plain attribute, not a buffer: it must stay float32 when the weights are cast.
+        self.cos_sin_cache = rope_cos_sin_cache(shape, max_positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` after the final norm."""
+        attention_plan = self.backend.plan(meta)
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(
+                hidden, residual, positions, kv_cache, meta, attention_plan,
+                self.cos_sin_cache, self.backend,
+            )
+        hidden, _ = self.backend.fused_add_rms_norm(hidden, residual, self.norm, self.shape.rms_norm_eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.lm_head).float()

@@ -1,0 +1,85 @@
+"""Request: one generation's tokens, counters and lifecycle inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from llmpool.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class Request:
+    """Everything the scheduler and runner know about one sequence.
+
+    The one scheduling rule: ``num_computed_tokens`` catches up with ``num_tokens``. A prompt
+    chunk, a decode and a recompute after preemption are all that rule with different gaps.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        # Logprobs of generated tokens, filled by the engine when asked for.
+        self.output_logprobs: list[dict[int, float]] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Lower priority value first, then earlier arrival (vLLM's convention)."""
+        return (self.priority, self.arrival_time)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,128 @@
+"""Sampler: turns one step's logits into next tokens, each request with its own parameters.
+
+Work is batched over requests; the only per-request loop draws seeded noise, so that a request
+with a seed samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmpool.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per request: {token_id: logprob} of the chosen token and the top-k, or None when not asked.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """``logits`` is ``[len(requests), vocab]`` float32, one row per sampling request."""
+        params = [r.sampling_params for r in requests]
+        logits = self._apply_min_tokens(logits, requests)
+        if any(p.uses_penalties for p in params):
+            logits = self._apply_penalties(logits, requests)
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        )
+        greedy = torch.tensor([p.greedy for p in params])
+        if bool(greedy.all()):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, requests, greedy)
+        token_list = token_ids.tolist()
+        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw_logprobs, params, token_list))
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Below min_tokens, EOS and stop tokens cannot be chosen."""
+        rows, columns = [], []
+        for row, request in enumerate(requests):
+            params = request.sampling_params
+            if request.num_output_tokens < params.min_tokens:
+                banned = set(params.stop_token_ids)
+                if not params.ignore_eos:
+                    banned |= request.eos_token_ids
+                rows += [row] * len(banned)
+                columns += list(banned)
+        if rows:
+            logits = logits.clone()
+            logits[rows, columns] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Presence and frequency count generated tokens; repetition also counts the prompt."""
+        num_rows, vocab = logits.shape
+        output_counts = torch.zeros(num_rows, vocab, dtype=torch.float32)
+        seen = torch.zeros(num_rows, vocab, dtype=torch.bool)
+        for row, request in enumerate(requests):
+            outputs = torch.tensor(request.output_token_ids, dtype=torch.int64)
+            output_counts[row].index_add_(0, outputs, torch.ones(len(outputs)))
+            seen[row, torch.tensor(request.all_token_ids, dtype=torch.int64)] = True
+        params = [r.sampling_params for r in requests]
+        repetition = torch.tensor([p.repetition_penalty for p in params])[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params])[:, None]
+        frequency = torch.tensor([p.frequency_penalty for p in params])[:, None]
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalized, logits)
+        logits = logits - frequency * output_counts - presence * (output_counts > 0).float()
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        probs = _filter_top_k_top_p_min_p(probs, params)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; seeded rows draw E
+        # from their own generator so their choices do not depend on the batch.
+        noise = torch.empty_like(probs).exponential_()
+        for row, request in enumerate(requests):
+            if request.generator is not None:
+                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=request.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _logprobs(
+        raw_logprobs: torch.Tensor | None, params: list, token_ids: list[int]
+    ) -> list[dict[int, float] | None]:
+        if raw_logprobs is None:
+            return [None] * len(token_ids)
+        result: list[dict[int, float] | None] = []
+        for row, (p, token_id) in enumerate(zip(params, token_ids, strict=True)):
+            if p.logprobs is None:
+                result.append(None)
+                continue
+            entry = {token_id: float(raw_logprobs[row, token_id])}
+            if p.logprobs > 0:
+                values, indices = raw_logprobs[row].topk(p.logprobs)
+                entry.update(zip(indices.tolist(), values.tolist(), strict=True))
+            result.append(entry)
+        return result
+
+
+def _filter_top_k_top_p_min_p(probs: torch.Tensor, params: list) -> torch.Tensor:
+    """Zero out tokens outside each row's top-k, top-p nucleus and min-p floor."""
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    min_p = torch.tensor([p.min_p for p in params])
+    if bool((min_p > 0).any()):
+        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(probs.shape[1])[None, :]
+        k = torch.where(top_k > 0, top_k, probs.shape[1])[:, None]
+        cumulative = sorted_probs.cumsum(dim=-1)
+        # Keep a token if the mass before it is below top_p (so the first one always stays).
+        keep = (ranks < k) & ((cumulative - sorted_probs) < top_p[:, None])
+        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return probs

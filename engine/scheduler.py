@@ -1,0 +1,171 @@
+"""Scheduler: decides which requests advance by how many tokens in each step.
+
+One rule (as in vLLM V1): every request has ``num_tokens`` and ``num_computed_tokens``, and each
+step hands out a token budget so that computed catches up with total, running requests first.
+Prefill chunks, decodes and recomputes after preemption are the same thing with different gaps.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from llmpool.engine.kv_cache_manager import KVCacheManager
+from llmpool.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step, handed to the model runner as plain data."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    """Keeps the waiting and running queues, each ordered by (priority, arrival)."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._make_room(request, num_new, output):
+                break  # the request preempted itself: it was the last one running
+            output.requests.append(request)
+            output.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+            index += 1
+
+        # Admitting new work in a step that had to preempt would only thrash the cache.
+        while (
+            not output.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new):
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.sort_key)
+            output.requests.append(request)
+            output.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        return output
+
+    def _make_room(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        """Allocate slots for ``request``, preempting the lowest-priority, newest runners if needed.
+
+        The running list is sorted, so victims come from its tail, which this step has not
+        scheduled yet. Returns False when ``request`` itself had to be preempted.
+        """
+        while not self.kv_cache_manager.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: drop the KV, keep the tokens, queue again at its priority."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance counters, append sampled tokens, finish what hit a stop; return what changed."""
+        changed = []
+        for request, num_scheduled in zip(output.requests, output.num_scheduled_tokens, strict=True):
+            request.num_computed_tokens += num_scheduled
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue  # a prompt chunk that is not the last one: nothing sampled yet
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish_request(request, status)
+            changed.append(request)
+        return changed
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request from whichever queue holds it and give back its blocks."""
+        if request.status.finished:
+            return
+        queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+        queue.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
