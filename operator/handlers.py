@@ -50,7 +50,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
-    # Events come from our own calls; kopf's per-handler chatter stays in the log.
+    # Events come from our own kopf.event/kopf.warn calls; kopf's per-handler chatter (a
+    # timer succeeding every few seconds) stays in the log. kopf.info would be filtered too.
     settings.posting.level = logging.WARNING
     # Watch only the engine pods and Deployments, filtered by the API server.
     settings.watching.label_selectors["v1", "pods"] = naming.POOL_LABEL
@@ -139,11 +140,13 @@ async def _reconcile(
 
     previous_digest = status.get("pinnedDigest")
     if previous_digest is None:
-        kopf.info(body, reason="Reconciled", message=f"engine Deployment rendered for {digest}")
+        kopf.event(
+            body, type="Normal", reason="Reconciled", message=f"engine pods pinned to {digest}"
+        )
     elif previous_digest != digest:
         changed = _changed_pinned_fields(status.get("pinned") or {}, pinned) or ["digest"]
         message = f"pinned {', '.join(changed)} changed: rolling to {digest}"
-        kopf.info(body, reason="RolloutStarted", message=message)
+        kopf.event(body, type="Normal", reason="RolloutStarted", message=message)
     new = pool_status.reconciled_status(
         pool=name,
         namespace=namespace,

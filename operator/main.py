@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import random
 
@@ -76,11 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class TimerSuccessFilter(logging.Filter):
+    """Drop kopf's "Timer 'observe' succeeded." line: it would repeat every few seconds."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timer 'observe' succeeded")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from llmpool.operator import handlers  # noqa: F401  (registers the handlers with kopf)
 
     kopf.configure(verbose=args.verbose, debug=args.debug, quiet=args.quiet)
+    if not args.debug:
+        logging.getLogger("kopf.objects").addFilter(TimerSuccessFilter())
     settings = kopf.OperatorSettings()
     # Named but not mandatory: without the peering CRDs kopf falls back to running alone.
     settings.peering.name = args.peering

@@ -114,6 +114,9 @@ def degraded_condition(
 
 def drifted_condition(entries: Sequence[DriftEntry], checked: int) -> cond.Condition:
     pods = drifted_pods(entries)
+    if not pods and checked == 0:
+        message = "no ready replica to check"
+        return cond.Condition(cond.DRIFTED, "Unknown", "NotChecked", message)
     if not pods:
         message = f"{checked} checked replica(s) run the pin"
         return cond.Condition(cond.DRIFTED, "False", "NoDrift", message)

@@ -213,3 +213,8 @@ def test_rollout_state_counts_terminating_pods_out(make_pod, make_deployment):
         deployment_view(make_deployment()), pods, digest=DIGEST, replicas=2, reconciled=True
     )
     assert rollout.complete and not rollout.in_progress
+
+
+def test_no_ready_replica_means_drift_not_checked(make_pod, make_deployment):
+    observation = observe(make_pod, make_deployment, [("a", {"ready": False})], drift=[])
+    assert condition(status_of(observation), "Drifted") == ("Unknown", "NotChecked")
