@@ -154,7 +154,7 @@ def cel_rules(schema) -> dict[str, list[dict[str, Any]]]:
 
 def test_cel_rules_are_well_formed(schema):
     rules = cel_rules(schema)
-    assert set(rules) == {"", ".spec", ".spec.model", ".spec.rollout"}
+    assert set(rules) == {"", ".spec", ".spec.model", ".spec.engine", ".spec.rollout"}
     for path, validations in rules.items():
         for validation in validations:
             rule = validation["rule"]
