@@ -7,6 +7,7 @@ before Triton is imported, because Triton reads it when a kernel is decorated.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import os
@@ -89,6 +90,7 @@ def _check_attention(
     device: torch.device,
     head_dim: int = HEAD_DIM,
     seed: int = 0,
+    num_splits: int | None = None,
 ) -> None:
     meta, num_blocks = _batch(query_lens, seq_lens, block_size, device, seed)
     generator = torch.Generator().manual_seed(seed)
@@ -102,7 +104,8 @@ def _check_attention(
     scale = head_dim**-0.5
 
     expected = TORCH.paged_attention(query, key_cache, value_cache, TORCH.plan(meta), scale)
-    actual = TRITON.paged_attention(query, key_cache, value_cache, TRITON.plan(meta), scale)
+    plan = dataclasses.replace(TRITON.plan(meta), num_splits=num_splits)
+    actual = TRITON.paged_attention(query, key_cache, value_cache, plan, scale)
     torch.testing.assert_close(actual, expected, **ATTENTION_TOL[dtype])
 
 
@@ -153,6 +156,26 @@ def test_paged_attention_decode_only(
         block_size=block_size,
         device=device,
         seed=1,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=DTYPE_ID)
+@pytest.mark.parametrize("queries_per_kv", [1, 8])
+def test_paged_attention_split_context(
+    dtype: torch.dtype, queries_per_kv: int, device: torch.device
+) -> None:
+    # Flash decoding: each context is cut into 3 stretches attended by separate programs and
+    # combined after. Short contexts leave some stretches empty, and the 20-token prefill has
+    # rows that see no key of its last stretch; both must drop out of the combination cleanly.
+    _check_attention(
+        [1, 1, 1, 20, 6],
+        [1, 16, 70, 50, 45],
+        dtype=dtype,
+        queries_per_kv=queries_per_kv,
+        block_size=16,
+        device=device,
+        seed=3,
+        num_splits=3,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,10 @@ from llmpool.engine.kernels.common import dot_precision, matmul_dtype
 # queries (prefill), at the price of idle rows when a sequence has fewer queries (decode).
 _MIN_TILE_ROWS = 16
 _MAX_TILE_ROWS = 64
+# Splitting a context across programs (flash decoding) pays off only when the grid would
+# leave SMs idle, and only while each split still reads a worthwhile stretch of keys.
+_MIN_KEYS_PER_SPLIT = 512
+_MAX_SPLITS = 32
 
 
 @triton.jit
@@ -22,6 +27,8 @@ def _paged_attention_kernel(
     key_cache_ptr,
     value_cache_ptr,
     out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -29,6 +36,8 @@ def _paged_attention_kernel(
     tile_start_ptr,
     scale,
     num_seqs,
+    num_tokens,
+    num_heads,
     q_stride_t,
     q_stride_h,
     k_stride_b,
@@ -46,17 +55,22 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     MMA_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program: ``BLOCK_Q`` query tokens of one sequence x the query heads of one KV head.
+    """One program: ``BLOCK_Q`` query tokens of one sequence x the query heads of one KV head,
+    over one of ``NUM_SPLITS`` stretches of the sequence's pages.
 
     Rows of the tile are (token, head-in-group) pairs, so every K/V page is loaded once for
     the whole GQA group. Softmax is computed online (flash attention) over the pages of the
-    sequence's block table, up to the last position any row of the tile may see.
+    block table, up to the last position any row of the tile may see. With one split the
+    result is final; with more, each split leaves its normalized output and log-sum-exp for
+    ``_combine_splits_kernel``.
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(tile_seq_ptr + tile)
     if seq >= num_seqs:  # the grid is sized for the worst case; spare programs do nothing
         return
@@ -73,30 +87,30 @@ def _paged_attention_kernel(
     head = kv_head * QUERIES_PER_KV + head_in_group
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
+    row_mask = row_valid[:, None] & dim_valid[None, :]
 
     q_offsets = (query_begin + token)[:, None].to(tl.int64) * q_stride_t + head[
         :, None
     ] * q_stride_h
-    q = tl.load(
-        query_ptr + q_offsets + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    q = tl.load(query_ptr + q_offsets + dims[None, :], mask=row_mask, other=0.0).to(tl.float32)
     # Fold the softmax scale and log2(e) into q once, so the loop uses exp2 directly.
     q = (q * (scale * 1.4426950408889634)).to(MMA_DTYPE)
-    # Padding rows get a position past the tile's last real one; they see valid keys only,
-    # so their softmax stays finite and their (discarded) results need no special case.
+    # Padding rows get a position past the tile's last real one: they see valid keys only,
+    # and their results are never stored.
     query_pos = context_before + token
 
     last_token = tl.minimum(tile_start + BLOCK_Q, query_len) - 1
     num_keys = context_before + last_token + 1
     num_pages = tl.cdiv(num_keys, BLOCK_SIZE)
+    pages_per_split = tl.cdiv(num_pages, NUM_SPLITS)
+    first_page = split * pages_per_split
+    end_page = tl.minimum(first_page + pages_per_split, num_pages)
 
     m = tl.full([BLOCK_Q * QUERIES_PER_KV_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_Q * QUERIES_PER_KV_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * QUERIES_PER_KV_PAD, HEAD_DIM_PAD], tl.float32)
     offsets_in_page = tl.arange(0, BLOCK_SIZE)
-    for page in range(0, num_pages):
+    for page in range(first_page, end_page):
         physical = tl.load(block_tables_ptr + seq * bt_stride + page).to(tl.int64)
         key_pos = page * BLOCK_SIZE + offsets_in_page
         key_valid = key_pos < num_keys
@@ -124,23 +138,68 @@ def _paged_attention_kernel(
         allowed = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
         scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
-        probs = tl.exp2(scores - m_new[:, None])
-        correction = tl.exp2(m - m_new)
+        # A split that starts after a row's position masks the whole row; subtracting 0
+        # instead of -inf keeps its probabilities at 0 rather than NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        probs = tl.exp2(scores - m_safe[:, None])
+        correction = tl.exp2(m - m_safe)
         denom = denom * correction + tl.sum(probs, 1)
         acc = acc * correction[:, None] + tl.dot(
             probs.to(MMA_DTYPE), v.to(MMA_DTYPE), input_precision=DOT_PRECISION
         )
         m = m_new
 
-    out = acc / denom[:, None]
-    o_offsets = (query_begin + token)[:, None].to(tl.int64) * o_stride_t + head[
-        :, None
-    ] * o_stride_h
-    tl.store(
-        out_ptr + o_offsets + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & dim_valid[None, :],
+    if NUM_SPLITS == 1:
+        out = acc / denom[:, None]
+        o_offsets = (query_begin + token)[:, None].to(tl.int64) * o_stride_t
+        o_offsets += head[:, None] * o_stride_h + dims[None, :]
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        has_keys = denom > 0.0
+        safe_denom = tl.where(has_keys, denom, 1.0)
+        lse = tl.where(has_keys, m + tl.log2(safe_denom), float("-inf"))
+        partial_row = (split * num_tokens + query_begin + token).to(tl.int64) * num_heads + head
+        tl.store(partial_lse_ptr + partial_row, lse, mask=row_valid)
+        tl.store(
+            partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :],
+            acc / safe_denom[:, None],
+            mask=row_mask,
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    num_tokens,
+    num_heads,
+    o_stride_t,
+    o_stride_h,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """One program per (token, head): the splits' outputs weighted by their share of the sum."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    partial_row = (splits * num_tokens + token) * num_heads + head
+    lse = tl.load(partial_lse_ptr + partial_row, mask=split_valid, other=float("-inf"))
+    # The first split always holds keys, so the maximum is finite.
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    partial = tl.load(
+        partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
     )
+    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    out_ptrs = out_ptr + token * o_stride_t + head * o_stride_h + dims
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 @dataclass
@@ -148,10 +207,11 @@ class TritonAttentionPlan:
     """The step's metadata plus, per tile height, which sequence and query offset each tile covers.
 
     Tiles are computed on the device (no host sync) the first time a layer asks for a height;
-    every later layer of the step reuses them.
+    every later layer of the step reuses them. ``num_splits`` overrides the split heuristic.
     """
 
     meta: AttentionMetadata
+    num_splits: int | None = None
     _tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +250,22 @@ def _block_q(max_query_len: int, queries_per_kv_pad: int) -> int:
     return min(max(triton.next_power_of_2(max_query_len), lowest), highest)
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_splits(meta: AttentionMetadata, programs: int, device: torch.device) -> int:
+    """Splits per context so that the grid covers the GPU twice over, when contexts are long."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    by_length = triton.cdiv(meta.max_seq_len, _MIN_KEYS_PER_SPLIT)
+    return max(1, min(triton.cdiv(2 * sms, programs), by_length, _MAX_SPLITS))
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -207,15 +283,35 @@ def paged_attention(
     for tensor in (query, key_cache, value_cache):
         if tensor.stride(-1) != 1:
             raise ValueError("paged_attention needs head_dim to be the contiguous dimension")
+    # A page is one tl.dot operand: a power of two, at least 16 rows.
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(
+            f"the Triton backend needs a power-of-two block_size >= 16, got {block_size}"
+        )
     queries_per_kv = num_heads // num_kv_heads
     queries_per_kv_pad = triton.next_power_of_2(queries_per_kv)
     block_q = _block_q(meta.max_query_len, queries_per_kv_pad)
     tile_seq, tile_start = attention_plan.tiles(block_q)
-    _paged_attention_kernel[(tile_seq.shape[0], num_kv_heads)](
+    num_splits = attention_plan.num_splits or _num_splits(
+        meta, max(meta.num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads, query.device
+    )
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_splits == 1:
+        partial_out = partial_lse = out  # not read: the kernel stores final results directly
+    else:
+        partial_out = torch.empty(
+            (num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device
+        )
+        partial_lse = torch.empty(
+            (num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device
+        )
+    _paged_attention_kernel[(tile_seq.shape[0], num_kv_heads, num_splits)](
         query,
         key_cache,
         value_cache,
         out,
+        partial_out,
+        partial_lse,
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
@@ -223,6 +319,8 @@ def paged_attention(
         tile_start,
         scale,
         meta.num_seqs,
+        num_tokens,
+        num_heads,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -238,9 +336,24 @@ def paged_attention(
         QUERIES_PER_KV_PAD=queries_per_kv_pad,
         BLOCK_Q=block_q,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
         MMA_DTYPE=matmul_dtype(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            partial_out,
+            partial_lse,
+            out,
+            num_tokens,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+        )
     return out
