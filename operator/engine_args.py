@@ -8,7 +8,6 @@ from llmpool import pinning
 from llmpool.operator import naming
 from llmpool.operator.spec import PoolSpec
 
-ENGINE_COMMAND = ["llmpool", "serve"]
 CHAT_TEMPLATE_PATH = f"{naming.CHAT_TEMPLATE_DIR}/{naming.CHAT_TEMPLATE_KEY}"
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from llmpool import pinning
 from llmpool.operator import naming
-from llmpool.operator.engine_args import ENGINE_COMMAND, engine_args
+from llmpool.operator.engine_args import engine_args
 from llmpool.operator.spec import PoolSpec
 
 ENGINE_USER_ID = 10001
@@ -77,10 +77,9 @@ def _engine_container(spec: PoolSpec, image: str) -> dict:
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image or image,
-        "command": ENGINE_COMMAND,
-        "args": engine_args(spec),
-        # HOME on the writable emptyDir: the root filesystem is read-only.
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        # The image's ENTRYPOINT is the `llmpool` console script (the same image runs the
+        # operator), so only the subcommand and its arguments are given.
+        "args": ["serve", *engine_args(spec)],
         "ports": [{"name": port, "containerPort": naming.ENGINE_PORT, "protocol": "TCP"}],
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": port},

@@ -59,7 +59,8 @@ def rollout_state(
         and len(live) == replicas
     )
     if not counts_match:
-        return Rollout(False, False, "Scaling", f"{ready_current}/{replicas} replicas ready")
+        message = f"{ready_current}/{replicas} replicas ready"
+        return Rollout(False, False, "ReplicasNotReady", message)
     return Rollout(False, True, "RolloutComplete", f"{replicas}/{replicas} replicas ready")
 
 

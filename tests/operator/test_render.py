@@ -79,8 +79,8 @@ def test_deployment_shape(chat_spec, chat_template):
 
     container = engine_container(deployment)
     assert container["image"] == IMAGE
-    assert container["command"] == ["llmpool", "serve"]
-    assert container["args"] == engine_args(PoolSpec.from_dict(chat_spec))
+    assert "command" not in container  # the image's ENTRYPOINT is `llmpool`
+    assert container["args"] == ["serve", *engine_args(PoolSpec.from_dict(chat_spec))]
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
@@ -133,7 +133,7 @@ def test_pvc_source_is_mounted_read_only(batch_spec):
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
     mount = next(m for m in engine_container(deployment)["volumeMounts"] if m["name"] == "model")
     assert mount["mountPath"] == "/models/pvc/weights" and mount["readOnly"]
-    assert engine_container(deployment)["args"][0] == "/models/pvc/weights/llama"
+    assert engine_container(deployment)["args"][1] == "/models/pvc/weights/llama"
 
 
 def test_scaling_keeps_the_pod_template(chat_spec, chat_template):

@@ -81,7 +81,7 @@ def test_not_ready_until_updated_equals_ready_equals_replicas(make_pod, make_dep
     deployment = make_deployment(ready=1, updated=2)
     pods = [("a", {}), ("b", {"ready": False})]
     status = status_of(observe(make_pod, make_deployment, pods, deployment))
-    assert condition(status, "Ready") == ("False", "Scaling")
+    assert condition(status, "Ready") == ("False", "ReplicasNotReady")
     assert status["replicaSummary"] == "1/2"
 
 
