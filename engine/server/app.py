@@ -1,0 +1,350 @@
+"""The starlette app of an engine pod: OpenAI routes, health, readiness, metrics and fingerprint."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from llmpool.engine.engine_core import EngineCore, PromptTooLongError
+from llmpool.engine.server.async_engine import (
+    AsyncEngine,
+    ChildRequest,
+    EngineStoppedError,
+    QueueFullError,
+    RequestStream,
+)
+from llmpool.engine.server.fingerprint import build_fingerprint
+from llmpool.engine.server.metrics import EngineMetrics
+from llmpool.engine.server.prompts import PromptBuilder
+from llmpool.engine.server.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    bad_request,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+from llmpool.engine.server.responses import Choice, ResponseBuilder
+from llmpool.engine.server.stats_log import log_stats_forever
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = "1"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    chat_template: bytes | None = None  # the --chat-template file; None: the model's own
+    max_queue: int = 1000
+    stats_interval: float = 10.0
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its generator when the client goes away, so the engine work is aborted at once."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _engine_error(error: Exception) -> APIError:
+    """Map what the engine raised on submit to the status a client should see."""
+    if isinstance(error, PromptTooLongError):
+        return bad_request(str(error), param="prompt", code="context_length_exceeded")
+    if isinstance(error, QueueFullError):
+        return APIError(
+            429, f"too many requests are waiting: {error}", type="rate_limit_exceeded",
+            code="rate_limit_exceeded", headers={"Retry-After": RETRY_AFTER_SECONDS},
+        )  # fmt: skip
+    if isinstance(error, EngineStoppedError):
+        return APIError(
+            503, str(error), type="service_unavailable", code="service_unavailable",
+            headers={"Retry-After": RETRY_AFTER_SECONDS},
+        )  # fmt: skip
+    return bad_request(str(error))
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServer:
+    """Holds the engine, metrics and settings; one method per route."""
+
+    def __init__(self, core: EngineCore, settings: ServerSettings) -> None:
+        self.core = core
+        self.settings = settings
+        self.model_name = settings.served_model_name
+        self.metrics = EngineMetrics(self.model_name)
+        self.engine = AsyncEngine(core, settings.max_queue, self.metrics)
+        chat_template = settings.chat_template.decode("utf-8") if settings.chat_template else None
+        self.prompts = PromptBuilder(core.tokenizer, chat_template)
+        self._fingerprint: asyncio.Task[dict[str, Any]] | None = None
+        self._created = int(time.time())
+
+    # --- plumbing -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.engine.start()
+        # Digests of the loaded files take seconds; start now so /fingerprint answers fast.
+        self._fingerprint = asyncio.create_task(
+            asyncio.to_thread(
+                build_fingerprint,
+                self.core,
+                self.model_name,
+                self.settings.chat_template,
+                self.prompts.chat_template,
+            )
+        )
+        stats_task = asyncio.create_task(
+            log_stats_forever(self.metrics, self.settings.stats_interval)
+        )
+        logger.info("serving %s; engine loop running", self.model_name)
+        try:
+            yield
+        finally:
+            stats_task.cancel()
+            await self.engine.shutdown()
+            logger.info("engine loop stopped")
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", self._openai(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._openai(self.chat_completions), methods=["POST"]),
+            Route("/v1/models", self._openai(self.models), methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/fingerprint", self.fingerprint, methods=["GET"]),
+        ]
+
+    def _openai(
+        self, handler: Callable[[Request], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """Checks the API key and turns every failure into an OpenAI-shaped error."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                self._authorize(request)
+                return await handler(request)
+            except APIError as error:
+                return _error_response(error)
+            except Exception:
+                logger.exception("internal error in %s", request.url.path)
+                return _error_response(
+                    APIError(
+                        500, "internal server error", type="internal_error", code="internal_error"
+                    )
+                )
+
+        return endpoint
+
+    def _authorize(self, request: Request) -> None:
+        if self.settings.api_key is None:
+            return
+        expected = f"Bearer {self.settings.api_key}".encode()
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise APIError(401, "incorrect or missing API key", code="invalid_api_key")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        parsed = parse_completion_request(parse_json_body(await request.body()))
+        self._check_model(parsed.model)
+        prompts = [self.prompts.completion_ids(p) for p in parsed.prompts]
+        return await self._generate(request, "completion", "cmpl", parsed, prompts, arrival)
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        parsed = parse_chat_request(parse_json_body(await request.body()))
+        self._check_model(parsed.model)
+        prompt = self.prompts.chat_ids(parsed.messages, parsed.add_generation_prompt)
+        return await self._generate(request, "chat", "chatcmpl", parsed, [prompt], arrival)
+
+    def _children(self, parsed: GenerationRequest, prompts: list[list[int]]) -> list[ChildRequest]:
+        """``n`` children per prompt; with a seed, choice ``i`` uses ``seed + i`` as LLM does."""
+        children = []
+        for prompt in prompts:
+            params = parsed.sampling_params(self._max_tokens(parsed, len(prompt)))
+            for index in range(parsed.n):
+                child_params = params
+                if params.seed is not None and parsed.n > 1:
+                    child_params = replace(params, seed=params.seed + index)
+                children.append(ChildRequest(prompt, child_params))
+        return children
+
+    def _max_tokens(self, parsed: GenerationRequest, num_prompt_tokens: int) -> int | None:
+        """An explicit max_tokens must fit beside the prompt; a default one is clipped to fit."""
+        room = self.core.max_model_len - num_prompt_tokens
+        if room <= 0:
+            return parsed.max_tokens  # the engine refuses this prompt, naming both numbers
+        if parsed.max_tokens is None:
+            default = parsed.default_max_tokens
+            return None if default is None else min(default, room)
+        if parsed.max_tokens <= room:
+            return parsed.max_tokens
+        raise bad_request(
+            f"this model's maximum context length is {self.core.max_model_len:,} tokens; the prompt"
+            f" has {num_prompt_tokens:,} tokens and {parsed.max_tokens:,} were requested for the"
+            " completion",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+    async def _generate(
+        self,
+        request: Request,
+        kind: str,
+        id_prefix: str,
+        parsed: CompletionRequest | ChatRequest,
+        prompts: list[list[int]],
+        arrival: float,
+    ) -> Response:
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        children = self._children(parsed, prompts)
+        try:
+            stream = await self.engine.submit(request_id, children, arrival)
+        except (PromptTooLongError, QueueFullError, EngineStoppedError, ValueError) as error:
+            raise _engine_error(error) from None
+        builder = ResponseBuilder(
+            kind, request_id, self.model_name, self.core.tokenizer, parsed.logprobs
+        )
+        prompt_tokens = sum(len(p) for p in prompts)
+        if parsed.stream:
+            return _SSEResponse(self._stream_events(stream, builder, parsed, prompt_tokens))
+        try:
+            choices = await self._collect(request, stream, len(children))
+        finally:
+            stream.abort()
+        if choices is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(builder.response(choices, prompt_tokens))
+
+    async def _collect(
+        self, request: Request, stream: RequestStream, count: int
+    ) -> list[Choice] | None:
+        """All choices, or None if the client disconnected first (its work is then aborted)."""
+        choices = [Choice(index) for index in range(count)]
+
+        async def consume() -> None:
+            async for index, delta in stream:
+                choices[index].add(delta)
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+            return None
+        try:
+            consumer.result()
+        except EngineStoppedError as error:
+            raise _engine_error(error) from None
+        return choices
+
+    async def _stream_events(
+        self,
+        stream: RequestStream,
+        builder: ResponseBuilder,
+        parsed: GenerationRequest,
+        prompt_tokens: int,
+    ) -> AsyncIterator[str]:
+        completion_tokens = 0
+        try:
+            if builder.kind == "chat":
+                for index in range(len(stream.child_ids)):
+                    yield _sse(builder.role_chunk(index))
+            async for index, delta in stream:
+                completion_tokens += len(delta.new_token_ids)
+                yield _sse(builder.delta_chunk(index, delta))
+            if parsed.include_usage:
+                yield _sse(builder.usage_chunk(prompt_tokens, completion_tokens))
+        except EngineStoppedError as error:
+            yield _sse(_engine_error(error).body())
+        finally:
+            stream.abort()
+        yield "data: [DONE]\n\n"
+
+    # --- the rest -----------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "llmpool",
+            "root": self.core.resolved.source,
+            "max_model_len": self.core.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        if not self.engine.running:
+            return JSONResponse({"status": "not ready"}, status_code=503)
+        return JSONResponse({"status": "ready", "model": self.model_name})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(
+            self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    async def fingerprint(self, request: Request) -> Response:
+        assert self._fingerprint is not None, "the lifespan starts the fingerprint task"
+        return JSONResponse(await asyncio.shield(self._fingerprint))
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def build_app(core: EngineCore, settings: ServerSettings) -> Starlette:
+    server = OpenAIServer(core, settings)
+    app = Starlette(routes=server.routes(), lifespan=server.lifespan)
+    app.state.server = server
+    return app

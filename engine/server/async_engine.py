@@ -1,0 +1,327 @@
+"""AsyncEngine: runs EngineCore.step() in its own thread and streams each request's deltas to asyncio.
+
+The engine core is synchronous and not thread-safe, so only the engine thread touches it. The
+event loop talks to that thread through one command queue (add, abort) and hears back through
+``loop.call_soon_threadsafe``, once per step. A request with ``n`` choices (or several prompts)
+is a group of child requests in the engine, merged into one stream of ``(index, delta)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from llmpool.engine.engine_core import EngineCore, EngineStats
+from llmpool.engine.outputs import RequestDelta
+from llmpool.engine.request import RequestStatus
+from llmpool.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long the idle engine thread sleeps on the command queue before checking for shutdown.
+_IDLE_POLL_SECONDS = 0.5
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_queue`` allows; the server answers 429."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down or failed; the server answers 503."""
+
+
+@dataclass
+class ChildRequest:
+    """One sequence of a request group: the engine's unit of work."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class _RequestTiming:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
+
+
+class StepObserver:
+    """What the engine thread reports per request and per step (the metrics implement it)."""
+
+    def on_scheduled(self, queue_time: float) -> None: ...
+    def on_tokens(self, delta: RequestDelta, first: bool, latency: float) -> None: ...
+    def on_finished(self, finish_reason: str, e2e_latency: float) -> None: ...
+    def on_stats(self, stats: EngineStats) -> None: ...
+
+
+@dataclass
+class _AddGroup:
+    child_ids: list[str]
+    children: list[ChildRequest]
+    arrival_time: float
+    accepted: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    child_ids: list[str]
+
+
+class RequestStream:
+    """The merged deltas of one request group; ``abort()`` (idempotent) frees its engine work."""
+
+    def __init__(self, engine: AsyncEngine, child_ids: list[str]) -> None:
+        self._engine = engine
+        self.child_ids = child_ids
+        self._unfinished = set(range(len(child_ids)))
+        self._queue: asyncio.Queue[tuple[int, RequestDelta] | BaseException] = asyncio.Queue()
+
+    def _put(self, item: tuple[int, RequestDelta] | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._unfinished.clear()
+                raise item
+            index, delta = item
+            if delta.finished:
+                self._unfinished.discard(index)
+            yield index, delta
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def abort(self) -> None:
+        if self._unfinished:
+            self._engine._abort([self.child_ids[i] for i in self._unfinished])
+            self._unfinished.clear()
+
+
+class AsyncEngine:
+    """Owns the engine thread; ``submit()`` returns a stream once the engine accepted the request."""
+
+    def __init__(
+        self, core: EngineCore, max_queue: int, observer: StepObserver | None = None
+    ) -> None:
+        self.core = core
+        self.max_queue = max_queue
+        self.observer = observer or StepObserver()
+        self._commands: queue.SimpleQueue[_AddGroup | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[RequestStream, int]] = {}
+        self._timings: dict[str, _RequestTiming] = {}  # engine thread only
+        # Children submitted but not yet scheduled once: the queue that admission control bounds.
+        self._unscheduled: set[str] = set()
+        self._unscheduled_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    # --- lifecycle (event loop) --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; requests still in flight end with EngineStoppedError."""
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._fail_all(EngineStoppedError("the server is shutting down"))
+
+    @property
+    def num_unscheduled(self) -> int:
+        with self._unscheduled_lock:
+            return len(self._unscheduled)
+
+    # --- requests (event loop) ---------------------------------------------------------------
+
+    async def submit(
+        self, request_id: str, children: list[ChildRequest], arrival_time: float | None = None
+    ) -> RequestStream:
+        """Queue a request group; raises what the engine raised (e.g. PromptTooLongError).
+
+        Returns once the engine thread has added every child, at most one step later.
+        """
+        if not self.running:
+            raise EngineStoppedError(
+                "the engine is not running" + (f": {self.error}" if self.error else "")
+            )
+        child_ids = [f"{request_id}-{index}" for index in range(len(children))]
+        with self._unscheduled_lock:
+            if len(self._unscheduled) + len(children) > self.max_queue:
+                raise QueueFullError(
+                    f"{len(self._unscheduled)} requests are waiting and the queue holds {self.max_queue}"
+                )
+            self._unscheduled.update(child_ids)
+        stream = RequestStream(self, child_ids)
+        for index, child_id in enumerate(child_ids):
+            self._streams[child_id] = (stream, index)
+        command = _AddGroup(child_ids, children, arrival_time or time.monotonic())
+        self._commands.put(command)
+        try:
+            await asyncio.wrap_future(command.accepted)
+        except BaseException:
+            # Rejected, or the caller went away while waiting: either way nothing may stay queued.
+            self._forget(child_ids)
+            accepted = command.accepted
+            rejected = accepted.done() and not accepted.cancelled() and accepted.exception()
+            if not rejected:
+                self._commands.put(_Abort(child_ids))
+            raise
+        return stream
+
+    def _abort(self, child_ids: list[str]) -> None:
+        self._forget(child_ids)
+        self._commands.put(_Abort(child_ids))
+
+    def _forget(self, child_ids: list[str]) -> None:
+        for child_id in child_ids:
+            self._streams.pop(child_id, None)
+        with self._unscheduled_lock:
+            self._unscheduled.difference_update(child_ids)
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            entry = self._streams.get(delta.request_id)
+            if entry is None:
+                continue  # aborted by its client after this step began
+            stream, index = entry
+            if delta.finished:
+                del self._streams[delta.request_id]
+            stream._put((index, delta))
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams = {stream for stream, _ in self._streams.values()}
+        self._streams.clear()
+        for stream in streams:
+            stream._put(error)
+
+    # --- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands(block=not self.core.has_unfinished_requests())
+                if self._stopping or not self.core.has_unfinished_requests():
+                    continue
+                self._step()
+        except BaseException as error:  # a bug in the engine: fail loudly, never hang clients
+            logger.exception("the engine loop failed; failing all requests")
+            self.error = error
+            self._stopping = True
+            self._call_soon(
+                self._fail_all, EngineStoppedError(f"the engine loop failed: {error!r}")
+            )
+        finally:
+            self._abort_everything()
+
+    def _apply_commands(self, block: bool) -> None:
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=_IDLE_POLL_SECONDS))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            if isinstance(command, _AddGroup):
+                self._add_group(command)
+            elif isinstance(command, _Abort):
+                self._abort_in_engine(command.child_ids)
+        self.observer.on_stats(self.core.stats())
+
+    def _add_group(self, command: _AddGroup) -> None:
+        if not command.accepted.set_running_or_notify_cancel():
+            return  # the caller went away before the engine saw the request
+        added = []
+        try:
+            for child_id, child in zip(command.child_ids, command.children, strict=True):
+                self.core.add_request(
+                    child_id, child.prompt_token_ids, child.sampling_params, command.arrival_time
+                )
+                self._timings[child_id] = _RequestTiming(command.arrival_time)
+                added.append(child_id)
+        except Exception as error:
+            self._abort_in_engine(added, record=False)
+            command.accepted.set_exception(error)
+            return
+        command.accepted.set_result(None)
+
+    def _abort_in_engine(self, child_ids: list[str], record: bool = True) -> None:
+        now = time.monotonic()
+        self.core.abort_requests(child_ids)
+        for child_id in child_ids:
+            timing = self._timings.pop(child_id, None)
+            if timing is not None and record:
+                self.observer.on_finished(
+                    RequestStatus.FINISHED_ABORTED.value, now - timing.arrival_time
+                )
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        deltas = self.core.step()
+        now = time.monotonic()
+        self._note_first_scheduled(started)
+        for delta in deltas:
+            timing = self._timings.get(delta.request_id)
+            if timing is None:
+                continue
+            first = timing.last_token_time is None
+            since = timing.arrival_time if first else timing.last_token_time
+            self.observer.on_tokens(delta, first, now - since)
+            timing.last_token_time = now
+            if delta.finished:
+                del self._timings[delta.request_id]
+                self.observer.on_finished(delta.finish_reason or "", now - timing.arrival_time)
+        self.observer.on_stats(self.core.stats())
+        if deltas:
+            self._call_soon(self._dispatch, deltas)
+
+    def _note_first_scheduled(self, step_started: float) -> None:
+        """Queue time ends when a child first leaves the waiting queue (read after the step)."""
+        with self._unscheduled_lock:
+            pending = list(self._unscheduled)
+        requests = self.core.scheduler.requests
+        scheduled = []
+        for child_id in pending:
+            request = requests.get(child_id)
+            timing = self._timings.get(child_id)
+            if timing is None or (request is not None and request.status == RequestStatus.WAITING):
+                continue  # not added yet, or still waiting
+            timing.first_scheduled_time = step_started
+            self.observer.on_scheduled(step_started - timing.arrival_time)
+            scheduled.append(child_id)
+        with self._unscheduled_lock:
+            self._unscheduled.difference_update(scheduled)
+
+    def _abort_everything(self) -> None:
+        unfinished = list(self._timings)
+        if unfinished:
+            self._abort_in_engine(unfinished)
+            self.observer.on_stats(self.core.stats())
+
+    def _call_soon(self, callback: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(callback, *args)

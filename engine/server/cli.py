@@ -1,0 +1,225 @@
+"""`llmpool serve [MODEL]`: vLLM-named flags (each also an LLMPOOL_* variable), load, serve, drain."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from llmpool import pinning
+from llmpool.engine.config import EngineConfig
+from llmpool.engine.engine_core import EngineCore
+from llmpool.engine.model_source import RevisionMismatchError
+from llmpool.engine.server.app import ServerSettings, build_app
+
+logger = logging.getLogger("llmpool.serve")
+
+EXIT_BAD_ARGUMENTS = 2
+EXIT_REVISION_MISMATCH = 3
+TERMINATION_LOG = "/dev/termination-log"  # where Kubernetes reads a container's last words
+
+# Engine settings that only some engine builds have: passed on when EngineConfig has the field,
+# otherwise only their defaults are accepted. (flag dest -> default)
+OPTIONAL_ENGINE_SETTINGS: dict[str, Any] = {
+    "enable_prefix_caching": True,
+    "quantization": "none",
+    "kv_cache_dtype": "auto",
+    "priority_class": "interactive",
+}
+
+
+def _env_name(dest: str) -> str:
+    return "LLMPOOL_" + dest.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class _Flags:
+    """Adds flags whose default comes from ``LLMPOOL_<NAME>`` when that variable is set."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def add(self, flag: str, help: str, **kwargs: Any) -> None:
+        dest = flag.lstrip("-").replace("-", "_")
+        env = _env_name(dest)
+        if env in os.environ:
+            value = os.environ[env]
+            # argparse converts string defaults with `type`; boolean actions have no type.
+            is_bool = kwargs.get("action") is argparse.BooleanOptionalAction
+            kwargs["default"] = _parse_bool(value) if is_bool else value
+        self.parser.add_argument(flag, help=f"{help} [env {env}]", **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmpool serve",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=os.environ.get(_env_name("model")),
+        help="model folder (Hugging Face format) or builtin://smollm2-135m-instruct;"
+        f" default: the built-in model [env {_env_name('model')}]",
+    )
+    flags = _Flags(parser)
+    flags.add("--host", "address to listen on", default="0.0.0.0")
+    flags.add("--port", "port to listen on", type=int, default=8000)
+    flags.add("--revision", "pinned content digest (sha256:...); refuse other files", default=None)
+    flags.add(
+        "--served-model-name", "the model name clients use; default: from the source", default=None
+    )
+    flags.add("--dtype", "auto, float32, bfloat16 or float16", default="auto")
+    flags.add("--device", "auto, cpu or cuda[:N]", default="auto")
+    flags.add("--max-model-len", "context length; default: the model's", type=int, default=None)
+    flags.add("--max-num-seqs", "most sequences in one batch", type=int, default=128)
+    flags.add("--max-num-batched-tokens", "token budget of one step", type=int, default=2048)
+    flags.add("--block-size", "tokens per KV-cache block", type=int, default=16)
+    flags.add(
+        "--kv-cache-memory",
+        "bytes for the KV cache (e.g. 2GiB); default: from the device",
+        default=None,
+    )
+    flags.add("--gpu-memory-utilization", "fraction of GPU memory to use", type=float, default=0.9)
+    flags.add(
+        "--chat-template", "file with a Jinja chat template; default: the model's", default=None
+    )
+    flags.add("--api-key", "require `Authorization: Bearer KEY` on /v1 routes", default=None)
+    flags.add(
+        "--max-queue", "waiting requests beyond which new ones get 429", type=int, default=1000
+    )
+    flags.add(
+        "--enable-prefix-caching", "share KV blocks of identical prompt prefixes",
+        action=argparse.BooleanOptionalAction, default=True,
+    )  # fmt: skip
+    flags.add("--quantization", "weight quantization: none, int8 or fp8", default="none")
+    flags.add("--kv-cache-dtype", "KV-cache dtype: auto or fp8", default="auto")
+    flags.add(
+        "--priority-class",
+        "interactive or batch",
+        choices=["interactive", "batch"],
+        default="interactive",
+    )
+    flags.add(
+        "--stats-interval", "seconds between engine stats log lines", type=float, default=10.0
+    )
+    flags.add(
+        "--shutdown-timeout",
+        "seconds to let requests finish after SIGTERM",
+        type=float,
+        default=30.0,
+    )
+    flags.add(
+        "--access-log", "log one line per HTTP request (never bodies)",
+        action=argparse.BooleanOptionalAction, default=True,
+    )  # fmt: skip
+    flags.add("--log-level", "debug, info, warning or error", default="info")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the flags; optional settings this engine lacks must keep their default."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    optional = {}
+    for name, default in OPTIONAL_ENGINE_SETTINGS.items():
+        value = getattr(args, name)
+        if name in fields:
+            optional[name] = value
+        elif value != default:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{flag} {value} is not supported by this engine build (only {default})"
+            )
+    return EngineConfig(
+        model=args.model,
+        revision=args.revision,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        **optional,
+    )
+
+
+def _write_termination_log(message: str) -> None:
+    """Kubernetes mounts this file; elsewhere it does not exist and nothing is written."""
+    path = Path(os.environ.get("LLMPOOL_TERMINATION_LOG", TERMINATION_LOG))
+    if path.is_file() and os.access(path, os.W_OK):
+        path.write_text(message + "\n")
+
+
+def _keep_exit_status_zero() -> None:
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, with the handlers that were
+    installed before it started; these make that re-raise harmless, so a drained server exits 0."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = engine_config(args)
+        chat_template = Path(args.chat_template).read_bytes() if args.chat_template else None
+    except (ValueError, OSError) as error:
+        logger.error("cannot start: %s", error)
+        return EXIT_BAD_ARGUMENTS
+    if args.max_queue < 0:
+        logger.error("cannot start: --max-queue must be non-negative, got %d", args.max_queue)
+        return EXIT_BAD_ARGUMENTS
+
+    try:
+        core = EngineCore(config)
+    except RevisionMismatchError as error:
+        logger.error("%s", error)
+        _write_termination_log(str(error))
+        return EXIT_REVISION_MISMATCH
+
+    settings = ServerSettings(
+        served_model_name=args.served_model_name
+        or pinning.default_served_name(core.resolved.source),
+        api_key=args.api_key,
+        chat_template=chat_template,
+        max_queue=args.max_queue,
+        stats_interval=args.stats_interval,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(core, settings),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            access_log=args.access_log,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
+    _keep_exit_status_zero()
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

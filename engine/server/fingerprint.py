@@ -1,0 +1,46 @@
+"""GET /fingerprint: what this replica was pinned to and what it observably runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmpool import __version__, pinning
+from llmpool.engine import model_source
+from llmpool.engine.engine_core import EngineCore
+
+
+def build_fingerprint(
+    core: EngineCore,
+    served_model_name: str,
+    chat_template_file: bytes | None,
+    chat_template_in_use: str | None,
+) -> dict[str, Any]:
+    """``pinned`` is built by the same function the operator uses, so the digests agree.
+
+    ``chat_template_file`` is the ``--chat-template`` file's bytes (None: the model's own);
+    observed digests are computed from the files actually loaded, which takes a moment, so the
+    server calls this once and caches the answer.
+    """
+    config = core.config
+    pinned = pinning.pinned_fields(
+        source=core.resolved.source,
+        revision=core.resolved.revision,
+        served_name=served_model_name,
+        chat_template=chat_template_file,
+        quantization=getattr(config, "quantization", None),
+        kv_cache_dtype=getattr(config, "kv_cache_dtype", None),
+        max_model_len=core.max_model_len,
+        block_size=config.block_size,
+    )
+    folder = core.resolved.folder
+    observed = {
+        "weightsDigest": model_source.weights_digest(folder),
+        "tokenizerDigest": model_source.tokenizer_digest(folder),
+        "chatTemplateSha256": pinning.chat_template_sha256(chat_template_in_use),
+        "dtype": str(core.dtype).removeprefix("torch."),
+        "kvDtype": core.kv_dtype_name,
+        "device": str(core.device),
+        "attentionBackend": core.backend.name,
+        "engineVersion": __version__,
+    }
+    return {"pinned": pinned, "observed": observed, "digest": pinning.pinned_digest(pinned)}

@@ -1,0 +1,230 @@
+"""The Prometheus metrics of an engine pod: vLLM's set, one to one, under the prefix ``llmpool:``."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from llmpool.engine.engine_core import EngineStats
+from llmpool.engine.outputs import RequestDelta
+from llmpool.engine.server.async_engine import StepObserver
+
+# vLLM turns these off too: a *_created series per counter is noise on every scrape.
+disable_created_metrics()
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+# vLLM's buckets, so that dashboards built for vLLM read ours the same way.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+@dataclass
+class Totals:
+    """Running totals the periodic stats line turns into rates."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class EngineMetrics(StepObserver):
+    """Updated from the engine thread as steps complete; ``render()`` serves ``GET /metrics``."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        registry = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"llmpool:{name}", doc, labels, registry=registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"llmpool:{name}", doc, [*labels, *extra], registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"llmpool:{name}", doc, labels, buckets=buckets, registry=registry)
+
+        self._model = {"model_name": model_name}
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled."
+        )
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1.0 is full)."
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "From arrival to the first output token.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Between consecutive output tokens.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds",
+            "From arrival to the last token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
+            "From arrival to first scheduling.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.num_preemptions = counter("num_preemptions", "Preemptions (KV freed for recompute).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.request_success = counter(
+            "request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        # Every series exists from the start, so that rate() and absent() work on a fresh pod.
+        for metric in (
+            self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+            self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
+            self.request_queue_time, self.num_preemptions, self.prompt_tokens,
+            self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+        ):  # fmt: skip
+            metric.labels(**self._model)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(finished_reason=reason, **self._model)
+        self.totals = Totals()
+        self._totals_lock = threading.Lock()
+        self._last_preemptions = 0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # --- StepObserver (engine thread) ---------------------------------------------------------
+
+    def on_scheduled(self, queue_time: float) -> None:
+        self.request_queue_time.labels(**self._model).observe(queue_time)
+
+    def on_tokens(self, delta: RequestDelta, first: bool, latency: float) -> None:
+        num_tokens = len(delta.new_token_ids)
+        if first:
+            self.time_to_first_token.labels(**self._model).observe(latency)
+            self.prompt_tokens.labels(**self._model).inc(delta.num_prompt_tokens)
+        else:
+            self.inter_token_latency.labels(**self._model).observe(latency)
+        self.generation_tokens.labels(**self._model).inc(num_tokens)
+        with self._totals_lock:
+            self.totals.generation_tokens += num_tokens
+            if first:
+                self.totals.prompt_tokens += delta.num_prompt_tokens
+
+    def on_finished(self, finish_reason: str, e2e_latency: float) -> None:
+        self.e2e_request_latency.labels(**self._model).observe(e2e_latency)
+        self.request_success.labels(finished_reason=finish_reason, **self._model).inc()
+
+    def on_stats(self, stats: EngineStats) -> None:
+        self.num_requests_running.labels(**self._model).set(stats.num_running)
+        self.num_requests_waiting.labels(**self._model).set(stats.num_waiting)
+        self.kv_cache_usage_perc.labels(**self._model).set(stats.kv_cache_usage)
+        if stats.num_preemptions > self._last_preemptions:
+            self.num_preemptions.labels(**self._model).inc(
+                stats.num_preemptions - self._last_preemptions
+            )
+            self._last_preemptions = stats.num_preemptions
+        with self._totals_lock:
+            totals = self.totals
+            totals.num_running, totals.num_waiting = stats.num_running, stats.num_waiting
+            totals.kv_cache_usage = stats.kv_cache_usage
+            self._update_prefix_cache(stats)
+
+    def _update_prefix_cache(self, stats: EngineStats) -> None:
+        """Cumulative engine counters, present once the engine has prefix caching."""
+        for name, counter in (
+            ("prefix_cache_queries", self.prefix_cache_queries),
+            ("prefix_cache_hits", self.prefix_cache_hits),
+        ):
+            total = getattr(stats, name, None)
+            if total is not None and total > getattr(self.totals, name):
+                counter.labels(**self._model).inc(total - getattr(self.totals, name))
+                setattr(self.totals, name, total)
+
+    def snapshot(self) -> Totals:
+        with self._totals_lock:
+            return Totals(**vars(self.totals))

@@ -1,0 +1,309 @@
+"""OpenAI request bodies: read, type-check and turn into engine inputs, or fail as OpenAI does."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmpool.engine.sampling_params import SamplingParams
+
+MAX_N = 128  # choices per request; each one is a sequence in the engine
+MAX_LOGPROBS = 20
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not valid UTF-8") from None
+    except ValueError as error:
+        raise bad_request(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+class _Fields:
+    """Typed access to a JSON object's fields; a wrong type names the field in a 400."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+    def get(self, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        # bool is an int in Python but not in JSON; a float field takes ints.
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            expected = " or ".join(_JSON_NAMES[kind] for kind in kinds)
+            raise bad_request(f"{name} must be {expected}, got {_json_type(value)}", param=name)
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        return float(self.get(name, (int, float), default))
+
+    def integer(self, name: str, default: int | None) -> int | None:
+        return self.get(name, (int,), default)
+
+
+_JSON_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "a boolean",
+    list: "an array",
+    dict: "an object",
+}
+
+
+def _json_type(value: Any) -> str:
+    for kind, name in (
+        (bool, "a boolean"),
+        (int, "an integer"),
+        (float, "a number"),
+        (str, "a string"),
+        (list, "an array"),
+        (dict, "an object"),
+    ):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def _check_text(value: str, param: str) -> str:
+    """JSON may carry lone surrogates (``"\\ud800"``), which are not text the tokenizer can take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{param} is not valid Unicode (lone surrogate)", param=param) from None
+    return value
+
+
+@dataclass
+class GenerationRequest:
+    """What completions and chat requests share: the model, choices, streaming and sampling."""
+
+    model: str | None
+    n: int
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # as the client asked; None: not given
+    default_max_tokens: int | None  # when not given; None: until EOS or the context is full
+    logprobs: int | None  # top alternatives per token; None: no logprobs
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=self.n, max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling
+            )
+        except ValueError as error:
+            message = str(error)
+            # SamplingParams messages start with the field's name; name it as the param too.
+            name = message.split(" ", 1)[0]
+            raise bad_request(message, param=name if name in self.sampling else None) from None
+
+
+@dataclass
+class CompletionRequest(GenerationRequest):
+    prompts: list[str | list[int]] = field(default_factory=list)
+
+
+@dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    add_generation_prompt: bool = True
+
+
+def _common(
+    fields: _Fields, default_max_tokens: int | None, max_tokens_names: tuple[str, ...]
+) -> dict[str, Any]:
+    n = fields.integer("n", 1)
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", param="n")
+    max_tokens = None
+    for name in max_tokens_names:
+        value = fields.integer(name, None)
+        if value is not None:
+            if value < 1:
+                raise bad_request(f"{name} must be at least 1, got {value}", param=name)
+            max_tokens = value
+            break
+    stream_options = fields.get("stream_options", (dict,), {})
+    include_usage = stream_options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request("stream_options.include_usage must be a boolean", param="stream_options")
+    stop = fields.get("stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise bad_request("stop must be a string or an array of strings", param="stop")
+    stop_token_ids = fields.get("stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
+        raise bad_request("stop_token_ids must be an array of integers", param="stop_token_ids")
+    sampling = {
+        "temperature": fields.number("temperature", 1.0),
+        "top_p": fields.number("top_p", 1.0),
+        "top_k": fields.integer("top_k", 0),
+        "min_p": fields.number("min_p", 0.0),
+        "presence_penalty": fields.number("presence_penalty", 0.0),
+        "frequency_penalty": fields.number("frequency_penalty", 0.0),
+        "repetition_penalty": fields.number("repetition_penalty", 1.0),
+        "seed": fields.integer("seed", None),
+        "min_tokens": fields.integer("min_tokens", 0),
+        "stop": [_check_text(s, "stop") for s in stop],
+        "stop_token_ids": stop_token_ids,
+        "include_stop_str_in_output": fields.get("include_stop_str_in_output", (bool,), False),
+        "ignore_eos": fields.get("ignore_eos", (bool,), False),
+        "skip_special_tokens": fields.get("skip_special_tokens", (bool,), True),
+    }
+    return {
+        "model": fields.get("model", (str,)),
+        "n": n,
+        "stream": fields.get("stream", (bool,), False),
+        "include_usage": include_usage,
+        "max_tokens": max_tokens,
+        "default_max_tokens": default_max_tokens,
+        "sampling": sampling,
+    }
+
+
+def _logprobs_count(value: int | None, param: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}", param=param)
+    return value
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    fields = _Fields(body)
+    for unsupported in ("suffix", "echo"):
+        if body.get(unsupported):
+            raise bad_request(f"{unsupported} is not supported", param=unsupported)
+    return CompletionRequest(
+        **_common(fields, 16, ("max_tokens",)),
+        logprobs=_logprobs_count(fields.integer("logprobs", None), "logprobs"),
+        prompts=_parse_prompts(body.get("prompt")),
+    )
+
+
+def _parse_prompts(prompt: Any) -> list[str | list[int]]:
+    """A prompt is text, token ids, or a non-empty array of either."""
+
+    def is_ids(value: Any) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        )
+
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif is_ids(prompt) and prompt:
+        prompts = [prompt]
+    elif (
+        isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt)
+    ):
+        prompts = prompt
+    else:
+        raise bad_request(
+            "prompt must be a string, an array of strings, an array of token ids or an array of"
+            " token id arrays",
+            param="prompt",
+        )
+    for p in prompts:
+        if not p:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if isinstance(p, str):
+            _check_text(p, "prompt")
+    return prompts
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    fields = _Fields(body)
+    wants_logprobs = fields.get("logprobs", (bool,), False)
+    top_logprobs = _logprobs_count(fields.integer("top_logprobs", None), "top_logprobs")
+    if top_logprobs is not None and not wants_logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return ChatRequest(
+        **_common(fields, None, ("max_completion_tokens", "max_tokens")),
+        logprobs=(top_logprobs or 0) if wants_logprobs else None,
+        messages=_parse_messages(body.get("messages")),
+        add_generation_prompt=fields.get("add_generation_prompt", (bool,), True),
+    )
+
+
+def _parse_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty array", param="messages")
+    parsed = []
+    for index, message in enumerate(messages):
+        param = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{param} must be an object", param=param)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(
+                f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                param=f"{param}.role",
+            )
+        parsed.append(
+            {**message, "content": _message_text(message.get("content"), f"{param}.content")}
+        )
+    return parsed
+
+
+def _message_text(content: Any, param: str) -> str:
+    """Content is text or an array of text parts (other part types need a multimodal model)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return _check_text(content, param)
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise bad_request(
+                    f'{param} parts must be {{"type": "text", "text": ...}}', param=param
+                )
+            texts.append(_check_text(part["text"], param))
+        return "".join(texts)
+    raise bad_request(f"{param} must be a string or an array of text parts", param=param)

@@ -1,0 +1,174 @@
+"""OpenAI response bodies and stream chunks for completions and chat, built from engine deltas."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmpool.engine.outputs import RequestDelta
+
+
+@dataclass
+class Choice:
+    """One choice accumulated from its deltas (the non-streaming answer)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        self.text += delta.new_text
+        self.token_ids.extend(delta.new_token_ids)
+        self.logprobs.extend(delta.new_logprobs)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ResponseBuilder:
+    """Shapes choices and chunks for one request; ``kind`` is ``completion`` or ``chat``."""
+
+    def __init__(
+        self, kind: str, request_id: str, model: str, tokenizer: Any, top_logprobs: int | None
+    ) -> None:
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.top_logprobs = top_logprobs
+
+    def _envelope(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    # --- whole responses ----------------------------------------------------------------------
+
+    def response(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        if self.kind == "chat":
+            rendered = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in choices
+            ]
+            body = self._envelope("chat.completion")
+        else:
+            rendered = [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in choices
+            ]
+            body = self._envelope("text_completion")
+        return {**body, "choices": rendered, "usage": usage(prompt_tokens, completion_tokens)}
+
+    # --- stream chunks ------------------------------------------------------------------------
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """Chat streams open each choice with the assistant role, as OpenAI does."""
+        return self._chunk(index, {"delta": {"role": "assistant", "content": ""}, "logprobs": None})
+
+    def delta_chunk(self, index: int, delta: RequestDelta) -> dict[str, Any]:
+        logprobs = self._logprobs(delta.new_token_ids, delta.new_logprobs)
+        if self.kind == "chat":
+            content = {"delta": {"content": delta.new_text} if delta.new_text else {}}
+        else:
+            content = {"text": delta.new_text}
+        return self._chunk(
+            index,
+            {
+                **content,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason if delta.finished else None,
+                "stop_reason": delta.stop_reason if delta.finished else None,
+            },
+        )
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {
+            **self._chunk_envelope(),
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+
+    def _chunk_envelope(self) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+
+    def _chunk(self, index: int, choice: dict[str, Any]) -> dict[str, Any]:
+        choice.setdefault("finish_reason", None)
+        return {**self._chunk_envelope(), "choices": [{"index": index, **choice}]}
+
+    # --- logprobs -----------------------------------------------------------------------------
+
+    def _logprobs(
+        self, token_ids: list[int], entries: list[dict[int, float]]
+    ) -> dict[str, Any] | None:
+        if self.top_logprobs is None or not entries:
+            return None
+        if self.kind == "chat":
+            return {
+                "content": [
+                    self._chat_logprob(t, e) for t, e in zip(token_ids, entries, strict=True)
+                ]
+            }
+        tokens = [self._token(t) for t in token_ids]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[t] for t, e in zip(token_ids, entries, strict=True)],
+            "top_logprobs": [{self._token(t): lp for t, lp in self._top(e)} for e in entries]
+            if self.top_logprobs
+            else None,
+            "text_offset": _offsets(tokens),
+        }
+
+    def _chat_logprob(self, token_id: int, entry: dict[int, float]) -> dict[str, Any]:
+        token = self._token(token_id)
+        return {
+            "token": token,
+            "logprob": entry[token_id],
+            "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [
+                {
+                    "token": (text := self._token(t)),
+                    "logprob": lp,
+                    "bytes": list(text.encode("utf-8")),
+                }
+                for t, lp in self._top(entry)
+            ],
+        }
+
+    def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
+        """The engine sends the chosen token plus the top k; the top k are the k best of those."""
+        return sorted(entry.items(), key=lambda item: item[1], reverse=True)[: self.top_logprobs]
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    offsets, position = [], 0
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    return offsets
