@@ -87,12 +87,19 @@ def _engine_container(spec: PoolSpec, image: str) -> dict:
             "timeoutSeconds": 2,
             "failureThreshold": 3,
         },
+        # Loading (and on first use converting) a model takes a while: liveness starts only
+        # once /health answered, and the process then has 5 minutes to come up.
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 5,
+            "timeoutSeconds": 2,
+            "failureThreshold": 60,
+        },
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": port},
-            "initialDelaySeconds": 15,
             "periodSeconds": 10,
             "timeoutSeconds": 5,
-            "failureThreshold": 6,
+            "failureThreshold": 3,
         },
         "securityContext": {
             "runAsNonRoot": True,

@@ -83,6 +83,7 @@ def test_deployment_shape(chat_spec, chat_template):
     assert container["args"] == ["serve", *engine_args(PoolSpec.from_dict(chat_spec))]
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert container["resources"] == chat_spec["resources"]

@@ -1,0 +1,524 @@
+"""The LLMPool operator on the real control plane: reconcile, status, rollouts, drift, clean-up.
+
+The operator runs as a local process against the cluster (as a developer would run it); it
+reaches engine pods by pod IP, as it does in a cluster. Tests that need engines to serve are
+skipped until `llmpool serve` exists.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from harness import ClusterHandle, pod_ready, wait_for
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+INTERACTIVE = ROOT / "examples" / "smollm2-interactive.yaml"
+DIGEST_ANNOTATION = "llmpool.dev/pinned-digest"
+POOL_LABEL = "llmpool.dev/pool"
+ENGINE_START_SECONDS = 600  # first start converts the built-in GGUF model
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class OperatorProcess:
+    """`llmpool operator` as a local process, with its log kept for failures."""
+
+    def __init__(self, cluster: ClusterHandle, log_path: Path, *extra: str) -> None:
+        self.cluster = cluster
+        self.extra = extra
+        self.log_path = log_path
+        self.metrics_port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "llmpool.cli", "operator", *self.extra]
+        argv += ["--metrics-port", str(self.metrics_port), "--liveness-port", str(free_port())]
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(argv, env=self.cluster.env, stdout=log, stderr=log)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=30)
+        self.process = None
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: ClusterHandle, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=established", "crd/llmpools.llmpool.dev")
+    log_path = tmp_path_factory.mktemp("operator") / "operator.log"
+    process = OperatorProcess(cluster, log_path, "-A", "--standalone")
+    process.start()
+    yield process
+    process.stop()
+    print(f"operator log: {process.log_path}")
+
+
+def engine_available() -> bool:
+    """Whether `llmpool serve` exists yet (the engine's HTTP server)."""
+    probe = subprocess.run(
+        [sys.executable, "-m", "llmpool.cli", "serve", "--help"], capture_output=True, timeout=120
+    )
+    return probe.returncode == 0
+
+
+needs_engine = pytest.mark.skipif(not engine_available(), reason="`llmpool serve` is not there yet")
+
+
+def example(revision: str | None = None) -> list[dict[str, Any]]:
+    documents = [d for d in yaml.safe_load_all(INTERACTIVE.read_text()) if d]
+    if revision is not None:
+        pool = next(d for d in documents if d["kind"] == "LLMPool")
+        pool["spec"]["model"]["revision"] = revision
+    return documents
+
+
+def pool_status(cluster: ClusterHandle, namespace: str, name: str) -> dict[str, Any]:
+    return cluster.get("llmpool", name, "-n", namespace).get("status") or {}
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+def engine_pods(cluster: ClusterHandle, namespace: str, pool: str) -> list[dict[str, Any]]:
+    pods = cluster.get("pods", "-n", namespace, "-l", f"{POOL_LABEL}={pool}")["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def wait_ready(cluster: ClusterHandle, namespace: str, pool: str, timeout: float) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        status = pool_status(cluster, namespace, pool)
+        return status if condition(status, "Ready").get("status") == "True" else None
+
+    return wait_for(f"LLMPool {pool} Ready", probe, timeout, interval=1)
+
+
+def chat(ip: str, model: str) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"http://{ip}:8000/v1/chat/completions",
+        data=json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def owned_by(obj: dict[str, Any], owner_uid: str) -> bool:
+    return any(
+        ref["uid"] == owner_uid and ref.get("controller")
+        for ref in obj["metadata"].get("ownerReferences", [])
+    )
+
+
+# --------------------------------------------------------------------------- API server
+
+
+BAD_SPECS = {
+    "bad enum": ({"quantization": "int4"}, 'Unsupported value: "int4"'),
+    "maxModelLen above the model's context": ({"maxModelLen": 16384}, "at most 8192"),
+    "missing revision": (
+        {"model": {"source": "builtin://smollm2-135m-instruct"}},
+        "spec.model.revision: Required value",
+    ),
+    "malformed revision": (
+        {"model": {"source": "builtin://smollm2-135m-instruct", "revision": "sha256:abc"}},
+        "spec.model.revision",
+    ),
+    "hf:// without a commit": (
+        {"model": {"source": "hf://org/name", "revision": "sha256:" + "a" * 64}},
+        "40-hex commit SHA",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_invalid_specs_are_rejected(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str, case: str
+) -> None:
+    change, message = BAD_SPECS[case]
+    pool = example()[1]
+    pool["spec"].update(change)
+    result = cluster.run(
+        "kubectl", "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(pool), check=False
+    )
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+# --------------------------------------------------------------------- without engines
+
+
+def test_children_are_owned_and_deleted_with_the_pool(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    cluster.apply(*example(), namespace=namespace)
+    pool = cluster.get("llmpool", "smollm2-chat", "-n", namespace)
+    uid = pool["metadata"]["uid"]
+    children = [
+        ("deployment", "smollm2-chat"),
+        ("service", "smollm2-chat"),
+        ("configmap", "smollm2-chat-engine"),
+    ]
+    for kind, name in children:
+        found = wait_for(
+            f"{kind} {name}",
+            lambda k=kind, n=name: (
+                cluster.run(
+                    "kubectl", "get", k, n, "-n", namespace, "-o", "json", check=False
+                ).stdout
+            ),
+            60,
+        )
+        assert owned_by(json.loads(found), uid), f"{kind} {name} is not owned by the pool"
+    status = wait_for(
+        "status.pinnedDigest",
+        lambda: (
+            pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest")
+            and pool_status(cluster, namespace, "smollm2-chat")
+        ),
+        60,
+    )
+    assert status["endpoint"] == f"http://smollm2-chat.{namespace}.svc:8000/v1"
+    assert status["capacity"]["kvBytesPerToken"] > 0
+    template = cluster.get("deployment", "smollm2-chat", "-n", namespace)["spec"]["template"]
+    assert template["metadata"]["annotations"][DIGEST_ANNOTATION] == status["pinnedDigest"]
+
+    cluster.kubectl(
+        "delete", "llmpool", "smollm2-chat", "-n", namespace, "--wait=true", "--timeout=60s"
+    )
+    for kind, name in children:
+        wait_for(
+            f"{kind} {name} to be collected",
+            lambda k=kind, n=name: (
+                cluster.run("kubectl", "get", k, n, "-n", namespace, check=False).returncode != 0
+            ),
+            90,
+        )
+    wait_for(
+        "engine pods to go", lambda: engine_pods(cluster, namespace, "smollm2-chat") == [], 120
+    )
+
+
+def test_scale_does_not_roll_and_a_pinned_change_does(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    cluster.apply(*example(), namespace=namespace)
+    first = wait_for(
+        "a digest", lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"), 60
+    )
+
+    cluster.kubectl("scale", "llmpool", "smollm2-chat", "-n", namespace, "--replicas=3")
+    wait_for(
+        "the Deployment to scale",
+        lambda: cluster.get("deployment", "smollm2-chat", "-n", namespace)["spec"]["replicas"] == 3,
+        60,
+    )
+    deployment = cluster.get("deployment", "smollm2-chat", "-n", namespace)
+    assert deployment["spec"]["template"]["metadata"]["annotations"][DIGEST_ANNOTATION] == first
+    assert pool_status(cluster, namespace, "smollm2-chat")["pinnedDigest"] == first
+    replica_sets = cluster.get("replicasets", "-n", namespace, "-l", f"{POOL_LABEL}=smollm2-chat")[
+        "items"
+    ]
+    assert len(replica_sets) == 1, "scaling created a new ReplicaSet"
+
+    cluster.kubectl(
+        "patch",
+        "llmpool",
+        "smollm2-chat",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"maxModelLen":4096}}',
+    )
+    second = wait_for(
+        "a new digest",
+        lambda: (
+            (d := pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest")) != first
+            and d
+        ),
+        60,
+    )
+    annotations = cluster.get("deployment", "smollm2-chat", "-n", namespace)["spec"]["template"][
+        "metadata"
+    ]["annotations"]
+    assert annotations[DIGEST_ANNOTATION] == second
+    events = cluster.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", "reason=RolloutStarted"
+    )
+    assert "maxModelLen" in events
+
+
+def test_operator_restart_converges_without_duplicates(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    cluster.apply(*example(), namespace=namespace)
+    wait_for(
+        "a digest", lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"), 60
+    )
+    # Kill the operator hard right after a spec change, before it can finish reconciling.
+    cluster.kubectl(
+        "patch",
+        "llmpool",
+        "smollm2-chat",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"maxModelLen":3072}}',
+    )
+    operator.stop(signal.SIGKILL)
+    operator.start()
+
+    def converged() -> bool:
+        pool = cluster.get("llmpool", "smollm2-chat", "-n", namespace)
+        status = pool.get("status") or {}
+        deployment = cluster.get("deployment", "smollm2-chat", "-n", namespace)
+        return (
+            status.get("observedGeneration") == pool["metadata"]["generation"]
+            and status.get("pinned", {}).get("maxModelLen") == 3072
+            and deployment["spec"]["template"]["metadata"]["annotations"][DIGEST_ANNOTATION]
+            == status["pinnedDigest"]
+        )
+
+    wait_for("the restarted operator to converge", converged, 90, interval=1)
+    selector = f"{POOL_LABEL}=smollm2-chat"
+    for kind in ("deployments", "services", "configmaps"):
+        assert len(cluster.get(kind, "-n", namespace, "-l", selector)["items"]) == 1, kind
+
+
+def test_peered_replicas_do_not_fight(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str, tmp_path: Path
+) -> None:
+    """Two peered operators: the higher priority acts, the other waits, then takes over."""
+    operator.stop()  # the shared standalone operator would act regardless of peering
+    high = OperatorProcess(cluster, tmp_path / "high.log", "-n", namespace, "--priority", "200")
+    low = OperatorProcess(cluster, tmp_path / "low.log", "-n", namespace, "--priority", "100")
+    try:
+        high.start()
+        low.start()
+        wait_for(
+            "the lower replica to pause", lambda: "Pausing operations in favour of" in low.log(), 60
+        )
+        cluster.apply(*example(), namespace=namespace)
+        wait_for(
+            "a digest",
+            lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"),
+            60,
+        )
+        assert "Handler 'reconcile' succeeded" in high.log()
+        assert "Handler 'reconcile' succeeded" not in low.log()
+
+        high.stop()
+        wait_for("the lower replica to resume", lambda: "Resuming operations" in low.log(), 90)
+        cluster.kubectl(
+            "patch",
+            "llmpool",
+            "smollm2-chat",
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            '{"spec":{"maxModelLen":1024}}',
+        )
+        wait_for(
+            "the remaining replica to reconcile",
+            lambda: (
+                pool_status(cluster, namespace, "smollm2-chat").get("pinned", {}).get("maxModelLen")
+                == 1024
+            ),
+            60,
+        )
+    finally:
+        high.stop()
+        low.stop()
+        operator.start()
+
+
+# ------------------------------------------------------------------------ with engines
+
+
+@needs_engine
+def test_sample_pool_serves_and_reports_ready(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    cluster.apply(*example(), namespace=namespace)
+    status = wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
+    assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
+    assert status["endpoint"] == f"http://smollm2-chat.{namespace}.svc:8000/v1"
+    pods = engine_pods(cluster, namespace, "smollm2-chat")
+    assert len(pods) == 2 and all(pod_ready(p) for p in pods)
+    for pod in pods:
+        reply = chat(pod["status"]["podIP"], "smollm2")
+        assert reply["choices"][0]["message"]["role"] == "assistant"
+    table = cluster.kubectl("get", "llmp", "smollm2-chat", "-n", namespace)
+    header, row = table.splitlines()[:2]
+    assert header.split() == [
+        "NAME",
+        "READY",
+        "REPLICAS",
+        "MODEL",
+        "REVISION",
+        "MAXLEN",
+        "QUANT",
+        "DRIFTED",
+        "AGE",
+    ]
+    assert row.split()[1:8] == [
+        "True",
+        "2/2",
+        "builtin://smollm2-135m-instruct",
+        status["shortRevision"],
+        "2048",
+        "none",
+        "False",
+    ]
+
+
+@needs_engine
+def test_rollout_reports_ready_only_when_finished_and_raises_no_drift(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    cluster.apply(*example(), namespace=namespace)
+    wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
+    cluster.kubectl(
+        "patch",
+        "llmpool",
+        "smollm2-chat",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"maxModelLen":4096}}',
+    )
+    deadline = time.monotonic() + ENGINE_START_SECONDS
+    seen_not_ready = False
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        pool = cluster.get("llmpool", "smollm2-chat", "-n", namespace)
+        status = pool.get("status") or {}
+        assert condition(status, "Drifted").get("status") != "True", status.get("drift")
+        if status.get("observedGeneration") != pool["metadata"]["generation"]:
+            continue
+        if condition(status, "Ready").get("status") != "True":
+            seen_not_ready = True
+        elif seen_not_ready:
+            pods = engine_pods(cluster, namespace, "smollm2-chat")
+            digests = {p["metadata"]["annotations"][DIGEST_ANNOTATION] for p in pods}
+            assert digests == {status["pinnedDigest"]}, "Ready while old pods remain"
+            assert (status["updatedReplicas"], status["readyReplicas"]) == (2, 2)
+            break
+    else:
+        raise AssertionError("the rollout did not finish")
+    assert seen_not_ready, "Ready never dropped during the rollout"
+
+
+@needs_engine
+def test_revision_mismatch_is_degraded(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    cluster.apply(*example(revision="sha256:" + "0" * 64), namespace=namespace)
+
+    def degraded() -> dict[str, Any] | None:
+        found = condition(pool_status(cluster, namespace, "smollm2-chat"), "Degraded")
+        return found if found.get("reason") == "RevisionMismatch" else None
+
+    found = wait_for("Degraded RevisionMismatch", degraded, ENGINE_START_SECONDS, interval=2)
+    assert found["status"] == "True" and "sha256:" + "0" * 64 in found["message"]
+
+
+@needs_engine
+def test_drift_is_detected_reported_and_recreated(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    documents = example()
+    pool = documents[1]
+    pool["spec"]["drift"] = {"policy": "Report", "intervalSeconds": 5}
+    cluster.apply(*documents, namespace=namespace)
+    wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
+
+    # Tamper with the template every pod mounts, then restart one pod: it now runs another one.
+    patch = {"data": {"template": "{{ messages }} tampered"}}
+    cluster.kubectl(
+        "patch",
+        "configmap",
+        "smollm2-chat-engine",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps(patch),
+    )
+    victim = engine_pods(cluster, namespace, "smollm2-chat")[0]["metadata"]["name"]
+    cluster.kubectl("delete", "pod", victim, "-n", namespace)
+
+    def drifted() -> dict[str, Any] | None:
+        status = pool_status(cluster, namespace, "smollm2-chat")
+        return status if condition(status, "Drifted").get("status") == "True" else None
+
+    status = wait_for("Drifted", drifted, ENGINE_START_SECONDS, interval=1)
+    [entry] = status["drift"]
+    assert entry["field"] == "chatTemplateSha256" and entry["pod"] != victim
+    events = cluster.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", "reason=DriftDetected"
+    )
+    assert entry["pod"] in events
+    assert (
+        f'llmpool_operator_drifted_replicas{{namespace="{namespace}",pool="smollm2-chat"}} 1.0'
+        in operator.metrics()
+    )
+
+    cluster.kubectl(
+        "patch",
+        "llmpool",
+        "smollm2-chat",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"drift":{"policy":"Recreate"}}}',
+    )
+
+    def recovered() -> dict[str, Any] | None:
+        status = pool_status(cluster, namespace, "smollm2-chat")
+        names = {p["metadata"]["name"] for p in engine_pods(cluster, namespace, "smollm2-chat")}
+        done = condition(status, "Drifted").get("status") == "False" and entry["pod"] not in names
+        return status if done and condition(status, "Ready").get("status") == "True" else None
+
+    status = wait_for("the drifted pod to be replaced", recovered, ENGINE_START_SECONDS, interval=1)
+    assert status["drift"] == []
+    events = cluster.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", "reason=RecreatingDriftedPod"
+    )
+    assert entry["pod"] in events
