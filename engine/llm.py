@@ -44,27 +44,29 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts))
         results: dict[str, RequestOutput] = {}
-        order = []
-        for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request_id = str(next(self._ids))
-            order.append(request_id)
-            results[request_id] = RequestOutput(
-                request_id=request_id,
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=token_ids,
-                outputs=[CompletionOutput(index=i) for i in range(prompt_params.n)],
-            )
-            for child in range(prompt_params.n):
-                child_params = prompt_params
-                if prompt_params.n > 1 and prompt_params.seed is not None:
-                    child_params = replace(prompt_params, seed=prompt_params.seed + child)
-                self.engine.add_request(
-                    f"{request_id}-{child}",
-                    token_ids,
-                    child_params,
-                    priority=priority[index] if priority else 0,
+        try:
+            for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                request_id = str(next(self._ids))
+                results[request_id] = RequestOutput(
+                    request_id=request_id,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=token_ids,
+                    outputs=[CompletionOutput(index=i) for i in range(prompt_params.n)],
                 )
+                for child, child_params in enumerate(_children(prompt_params)):
+                    self.engine.add_request(
+                        f"{request_id}-{child}",
+                        token_ids,
+                        child_params,
+                        priority=priority[index] if priority else 0,
+                    )
+        except Exception:
+            # One bad prompt refuses the whole call; nothing of it stays queued.
+            self.engine.abort_requests(
+                [f"{rid}-{c}" for rid, out in results.items() for c in range(len(out.outputs))]
+            )
+            raise
         total = sum(p.n for p in params)
         with tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm) as progress:
             while self.engine.has_unfinished_requests():
@@ -81,7 +83,7 @@ class LLM:
                         progress.update()
         for output in results.values():
             output.finished = True
-        return [results[request_id] for request_id in order]
+        return list(results.values())
 
     def chat(
         self,
@@ -97,6 +99,16 @@ class LLM:
         ]
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+
+
+def _children(params: SamplingParams) -> list[SamplingParams]:
+    """``n`` samples of one prompt run as ``n`` requests; seeded ones get consecutive seeds."""
+    if params.n == 1:
+        return [params]
+    return [
+        replace(params, n=1, seed=None if params.seed is None else params.seed + child)
+        for child in range(params.n)
+    ]
 
 
 def _per_prompt(

@@ -9,8 +9,6 @@ import sys
 SUBCOMMANDS = {
     "serve": ("llmpool.engine.server.cli", "serve a model over an OpenAI-compatible HTTP API"),
     "bench": ("llmpool.bench", "benchmarks: `bench offline` (engine vs HF) and `bench serve`"),
-    "generate": ("llmpool.engine.generate_cli", "generate offline from prompts on the command line"),
-    "plan": ("llmpool.plan", "KV-cache capacity plan for a model, length and memory budget"),
     "operator": ("llmpool.operator.main", "run the LLMPool Kubernetes operator"),
 }
 

@@ -1,0 +1,204 @@
+"""`llmpool bench offline`: llmpool vs HF transformers static batching, same workload, same process.
+
+The workload (issue 2): N requests with prompt lengths and output lengths drawn with a fixed
+seed, all arriving at once. HF takes them in arrival order in batches of the concurrency and runs
+each batch until its longest request is done; llmpool runs with ``max_num_seqs`` equal to the
+concurrency. Only requested output tokens count for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from llmpool.engine import LLM, SamplingParams
+from llmpool.engine.model_runner import StepTimings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def requested_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass
+class Result:
+    dtype: str
+    concurrency: int
+    hf_tokens_per_s: float
+    llmpool_tokens_per_s: float
+    ratio: float
+    llmpool_step_breakdown: dict[str, float]
+    python_overhead_fraction: float
+
+
+def make_workload(
+    num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+    vocab_size: int, seed: int,
+) -> Workload:
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, num_requests)
+    output_lens = rng.integers(output_range[0], output_range[1] + 1, num_requests)
+    # Token ids well inside the vocabulary, avoiding the special tokens at the start.
+    prompts = [rng.integers(100, vocab_size, int(n)).tolist() for n in prompt_lens]
+    return Workload(prompts=prompts, output_lens=[int(n) for n in output_lens])
+
+
+def run_hf(model: torch.nn.Module, workload: Workload, concurrency: int, pad_token_id: int) -> float:
+    """Output tokens/s of static batches: left-padded prompts, run to the batch's longest output."""
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(workload.prompts), concurrency):
+            batch = workload.prompts[start : start + concurrency]
+            longest_output = max(workload.output_lens[start : start + concurrency])
+            width = max(map(len, batch))
+            input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, prompt in enumerate(batch):
+                input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                attention_mask[row, width - len(prompt) :] = 1
+            model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=longest_output,
+                min_new_tokens=longest_output,
+                do_sample=False,
+                pad_token_id=pad_token_id,
+            )
+    return workload.requested_tokens / (time.perf_counter() - started)
+
+
+def run_llmpool(llm: LLM, workload: Workload) -> tuple[float, StepTimings]:
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
+    llm.engine.runner.timings = StepTimings()
+    started = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    elapsed = time.perf_counter() - started
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == workload.requested_tokens, (produced, workload.requested_tokens)
+    return produced / elapsed, llm.engine.runner.timings
+
+
+def breakdown(timings: StepTimings) -> tuple[dict[str, float], float]:
+    """Milliseconds per step in each phase, and the Python share (scheduling + input preparation)."""
+    steps = max(timings.steps, 1)
+    phases = {
+        "schedule": timings.schedule,
+        "prepare_inputs": timings.prepare_inputs,
+        "forward": timings.forward,
+        "sample": timings.sample,
+    }
+    total = sum(phases.values())
+    per_step = {name: 1000 * seconds / steps for name, seconds in phases.items()}
+    per_step["steps"] = timings.steps
+    return per_step, (timings.schedule + timings.prepare_inputs) / total if total else 0.0
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    from transformers import AutoModelForCausalLM
+
+    results = []
+    for dtype in args.dtypes:
+        llm = LLM(args.model, dtype=dtype, max_num_seqs=max(args.concurrency), max_model_len=1024)
+        workload = make_workload(
+            args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
+            llm.engine.shape.vocab_size, args.seed,
+        )
+        hf = AutoModelForCausalLM.from_pretrained(
+            llm.engine.resolved.folder, dtype=getattr(torch, dtype)
+        ).eval()
+        pad = llm.tokenizer.pad_token_id or 0
+        warmup = Workload(workload.prompts[:2], [4, 4])
+        run_hf(hf, warmup, 2, pad)
+        run_llmpool(llm, warmup)
+        for concurrency in tqdm(args.concurrency, desc=f"bench offline {dtype}", unit="level"):
+            hf_rate = run_hf(hf, workload, concurrency, pad)
+            llm.engine.scheduler.max_num_seqs = concurrency
+            llmpool_rate, timings = run_llmpool(llm, workload)
+            per_step, overhead = breakdown(timings)
+            result = Result(dtype, concurrency, hf_rate, llmpool_rate, llmpool_rate / hf_rate, per_step, overhead)
+            logger.info("%s", result)
+            results.append(result)
+        del llm, hf
+        gc.collect()
+    return results
+
+
+def markdown_table(results: list[Result]) -> str:
+    lines = [
+        "| dtype | concurrency | HF tok/s | llmpool tok/s | ratio | ms/step: schedule / prepare / forward / sample | Python overhead |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for r in results:
+        b = r.llmpool_step_breakdown
+        lines.append(
+            f"| {r.dtype} | {r.concurrency} | {r.hf_tokens_per_s:.1f} | {r.llmpool_tokens_per_s:.1f} |"
+            f" {r.ratio:.2f}x | {b['schedule']:.2f} / {b['prepare_inputs']:.2f} / {b['forward']:.1f} /"
+            f" {b['sample']:.2f} | {100 * r.python_overhead_fraction:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r.dtype for r in results})
+    figure, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
+    for axis, dtype in zip(axes[0], dtypes, strict=True):
+        rows = [r for r in results if r.dtype == dtype]
+        levels = [r.concurrency for r in rows]
+        axis.plot(levels, [r.hf_tokens_per_s for r in rows], "o-", label="HF static batches")
+        axis.plot(levels, [r.llmpool_tokens_per_s for r in rows], "o-", label="llmpool")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("max concurrency")
+        axis.set_ylabel("output tokens/s")
+        axis.set_title(f"offline throughput, {dtype}")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="llmpool bench offline", description=__doc__)
+    parser.add_argument("--model", default=None, help="HF folder; default: the built-in model")
+    parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/offline"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    results = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    table = markdown_table(results)
+    (args.out / "results.md").write_text(table + "\n")
+    plot(results, args.out / "throughput.png")
+    print(table)
+    return 0

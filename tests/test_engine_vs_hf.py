@@ -1,0 +1,41 @@
+"""Greedy generation must match HF transformers token for token, however the engine batches."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmpool.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = {
+    "defaults": {},
+    # Prompts of 500+ tokens run as 10+ chunks, mixed with other requests' decodes.
+    "chunked-prefill": {"max_num_batched_tokens": 48},
+    # 50 blocks of 16 hold 800 tokens: the batch needs ~1,900, so requests are preempted.
+    "preemption": {"num_kv_blocks": 50, "max_model_len": 800},
+    "block-size-1": {"block_size": 1},
+    "block-size-32": {"block_size": 32},
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_greedy_matches_transformers(
+    config: dict, hf_greedy_reference: dict, reference_new_tokens: int
+) -> None:
+    prompts = [list(ids) for ids in hf_greedy_reference]
+    assert len(prompts) >= 8
+    assert min(map(len, prompts)) <= 5 and max(map(len, prompts)) > 500
+    llm = LLM(**({"max_model_len": 2048} | config))
+    params = SamplingParams(
+        temperature=0, max_tokens=reference_new_tokens, min_tokens=reference_new_tokens
+    )
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.prompt_token_ids == prompt
+        assert output.outputs[0].token_ids == hf_greedy_reference[tuple(prompt)]
+        assert output.outputs[0].finish_reason == "length"
+    if "num_kv_blocks" in config:
+        assert llm.num_preemptions > 0
+    stats = llm.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks

@@ -1,0 +1,132 @@
+"""Sampling and stopping on the built-in model: every SamplingParams field does what vLLM's does."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmpool.engine import LLM, SamplingParams
+
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=1024, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def greedy(llm: LLM):
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+
+
+def run(llm: LLM, **params) -> object:
+    return llm.generate(PROMPT, SamplingParams(**params))[0].outputs[0]
+
+
+def test_filters_that_keep_one_token_are_greedy(llm: LLM, greedy) -> None:
+    for params in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        out = run(llm, temperature=1.0, max_tokens=40, ignore_eos=True, seed=3, **params)
+        assert out.token_ids == greedy.token_ids, params
+
+
+def test_seed_gives_the_same_tokens_whatever_shares_the_batch(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=1234)
+    alone = llm.generate(PROMPT, params)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.2, max_tokens=30, ignore_eos=True, seed=s) for s in (1, None)]
+    crowded = llm.generate(["Hello", PROMPT, "def f(x):"], [others[0], params, others[1]])
+    assert crowded[1].outputs[0].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=99)
+    assert llm.generate(PROMPT, different_seed)[0].outputs[0].token_ids != alone
+
+
+def test_n_returns_distinct_samples_in_order(llm: LLM) -> None:
+    result = llm.generate(PROMPT, SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=5))[0]
+    assert [o.index for o in result.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in result.outputs}) > 1
+
+
+def test_stop_string_ends_text_before_it(llm: LLM, greedy) -> None:
+    stop = greedy.text[len(greedy.text) // 2 : len(greedy.text) // 2 + 6]
+    assert stop.strip()
+    out = run(llm, temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == greedy.text[: greedy.text.index(stop)]
+    kept = run(llm, temperature=0, max_tokens=40, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == greedy.text[: greedy.text.index(stop) + len(stop)]
+
+
+def test_stop_token_id(llm: LLM, greedy) -> None:
+    stop_id = greedy.token_ids[5]
+    first = greedy.token_ids.index(stop_id)
+    out = run(llm, temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id])
+    assert out.token_ids == greedy.token_ids[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    held = run(llm, temperature=0, max_tokens=40, min_tokens=first + 3, stop_token_ids=[stop_id])
+    assert len(held.token_ids) >= first + 3
+
+
+def test_eos_min_tokens_max_tokens_and_ignore_eos(llm: LLM) -> None:
+    chat = [{"role": "user", "content": "Reply with just the word yes."}]
+    short = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    assert short.finish_reason == "stop" and short.token_ids[-1] in llm.engine.eos_token_ids
+    assert len(short.token_ids) < 64
+    held = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64, min_tokens=len(short.token_ids) + 5))
+    assert len(held[0].outputs[0].token_ids) >= len(short.token_ids) + 5
+    full = llm.chat(chat, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    assert len(full.token_ids) == 30 and full.finish_reason == "length"
+
+
+def test_logprobs_report_the_chosen_and_top_tokens(llm: LLM, greedy) -> None:
+    out = run(llm, temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    assert len(out.logprobs) == 8
+    for token_id, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token_id in entry and len(entry) <= 4
+        assert entry[token_id] == max(entry.values())  # greedy picks the most likely token
+        assert all(value <= 0 for value in entry.values())
+
+
+def test_penalties_change_greedy_output(llm: LLM, greedy) -> None:
+    penalized = run(llm, temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.5)
+    assert penalized.token_ids != greedy.token_ids
+    assert len(set(penalized.token_ids)) >= len(set(greedy.token_ids))
+
+
+def test_abort_frees_every_block(llm: LLM) -> None:
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(f"abort-{i}", llm.tokenizer.encode(PROMPT * (i + 1)),
+                           SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_cache_manager.num_free_blocks < engine.kv_cache_manager.num_total_blocks
+    engine.abort_requests([f"abort-{i}" for i in range(4)])
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_total_blocks
+
+
+def test_memory_waste_stays_under_one_block_per_sequence(llm: LLM) -> None:
+    """After every step of a mixed-length batch, allocated slots exceed cached tokens by < block."""
+    engine = llm.engine
+    block_size = engine.kv_cache_manager.block_size
+    lengths = [3, 17, 40, 95, 160, 250]
+    for i, length in enumerate(lengths):
+        engine.add_request(f"mem-{i}", [200 + (j % 500) for j in range(length)],
+                           SamplingParams(max_tokens=20, ignore_eos=True))
+    worst = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            allocated = len(engine.kv_cache_manager.block_tables[request.request_id]) * block_size
+            waste = allocated - request.num_computed_tokens
+            worst = max(worst, waste)
+            assert 0 <= waste < block_size, (request.request_id, allocated, request.num_computed_tokens)
+    assert worst > 0  # the check saw partly filled tail blocks
+
+
+def test_bad_parameters_are_refused_before_queueing(llm: LLM) -> None:
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"min_tokens": 5, "max_tokens": 2}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="maximum context length is 1,024"):
+        llm.generate([[5] * 1024], SamplingParams(max_tokens=1))
+    assert not llm.engine.has_unfinished_requests()
