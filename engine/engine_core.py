@@ -90,10 +90,22 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
         self.kv_caches = [
             (
-                torch.zeros(num_blocks, config.block_size, self.shape.num_kv_heads, self.shape.head_dim,
-                            dtype=self.dtype, device=self.device),
-                torch.zeros(num_blocks, config.block_size, self.shape.num_kv_heads, self.shape.head_dim,
-                            dtype=self.dtype, device=self.device),
+                torch.zeros(
+                    num_blocks,
+                    config.block_size,
+                    self.shape.num_kv_heads,
+                    self.shape.head_dim,
+                    dtype=self.dtype,
+                    device=self.device,
+                ),
+                torch.zeros(
+                    num_blocks,
+                    config.block_size,
+                    self.shape.num_kv_heads,
+                    self.shape.head_dim,
+                    dtype=self.dtype,
+                    device=self.device,
+                ),
             )
             for _ in range(self.shape.num_layers)
         ]
@@ -107,8 +119,14 @@ class EngineCore:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         logger.info(
             "engine ready: %s (%s) on %s/%s, backend %s, %d KV blocks of %d tokens (%s tokens), max_model_len %d",
-            self.resolved.source, self.shape.num_layers, self.device, str(self.dtype).removeprefix("torch."),
-            self.backend.name, num_blocks, config.block_size, f"{num_blocks * config.block_size:,}",
+            self.resolved.source,
+            self.shape.num_layers,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.backend.name,
+            num_blocks,
+            config.block_size,
+            f"{num_blocks * config.block_size:,}",
             self.max_model_len,
         )
 
@@ -124,7 +142,9 @@ class EngineCore:
             num_blocks = config.num_kv_blocks
         else:
             memory = config.kv_cache_memory or self._default_kv_cache_bytes()
-            num_blocks = capacity.num_kv_blocks(self.capacity_shape, self.kv_dtype_name, block_size, int(memory))
+            num_blocks = capacity.num_kv_blocks(
+                self.capacity_shape, self.kv_dtype_name, block_size, int(memory)
+            )
             # More blocks than every sequence at full length could use is memory for nothing.
             num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
         if num_blocks < blocks_per_seq:
@@ -174,7 +194,12 @@ class EngineCore:
         if any(not 0 <= token < vocab for token in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         request = Request(
-            request_id, prompt_token_ids, sampling_params, self.eos_token_ids, arrival_time, priority
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            self.eos_token_ids,
+            arrival_time,
+            priority,
         )
         self.scheduler.add_request(request)
         self.detokenizers[request_id] = IncrementalDetokenizer(
@@ -211,7 +236,9 @@ class EngineCore:
             for request, entry in zip(sampling_requests, sampled.logprobs, strict=True)
         }
         changed = self.scheduler.update_from_output(scheduled, token_by_request)
-        return [self._delta(request, logprobs_by_request[request.request_id]) for request in changed]
+        return [
+            self._delta(request, logprobs_by_request[request.request_id]) for request in changed
+        ]
 
     def _delta(self, request: Request, logprobs: dict[int, float] | None) -> RequestDelta:
         token_id = request.all_token_ids[-1]

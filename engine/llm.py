@@ -46,7 +46,9 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         try:
             for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
-                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                token_ids = (
+                    self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                )
                 request_id = str(next(self._ids))
                 results[request_id] = RequestOutput(
                     request_id=request_id,
@@ -94,7 +96,9 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
+            )
             for conversation in conversations
         ]
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]

@@ -49,7 +49,9 @@ def weights_digest(folder: Path) -> str:
 
 
 def tokenizer_digest(folder: Path) -> str:
-    return files_digest([folder / name for name in TOKENIZER_FILES if (folder / name).exists()], folder)
+    return files_digest(
+        [folder / name for name in TOKENIZER_FILES if (folder / name).exists()], folder
+    )
 
 
 def resolve(model: str | None) -> ResolvedModel:

@@ -28,7 +28,9 @@ class Sampler:
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, requests)
         raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+            torch.log_softmax(logits, dim=-1)
+            if any(p.logprobs is not None for p in params)
+            else None
         )
         greedy = torch.tensor([p.greedy for p in params])
         if bool(greedy.all()):
@@ -36,7 +38,9 @@ class Sampler:
         else:
             token_ids = self._sample(logits, requests, greedy)
         token_list = token_ids.tolist()
-        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw_logprobs, params, token_list))
+        return SamplerOutput(
+            token_ids=token_list, logprobs=self._logprobs(raw_logprobs, params, token_list)
+        )
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -75,7 +79,9 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _sample(logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor) -> torch.Tensor:
+    def _sample(
+        logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor
+    ) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
         probs = torch.softmax(logits / temperature[:, None], dim=-1)

@@ -28,7 +28,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None  # number of top logprobs per generated token, besides the chosen one
+    logprobs: int | None = (
+        None  # number of top logprobs per generated token, besides the chosen one
+    )
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

@@ -128,7 +128,9 @@ class Scheduler:
     ) -> list[Request]:
         """Advance counters, append sampled tokens, finish what hit a stop; return what changed."""
         changed = []
-        for request, num_scheduled in zip(output.requests, output.num_scheduled_tokens, strict=True):
+        for request, num_scheduled in zip(
+            output.requests, output.num_scheduled_tokens, strict=True
+        ):
             request.num_computed_tokens += num_scheduled
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:

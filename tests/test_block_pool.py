@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,8 +11,6 @@ from llmpool.engine.kv_cache_manager import KVCacheManager
 from llmpool.engine.request import Request
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.scheduler import Scheduler
-
-import pytest
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int) -> Request:
@@ -49,7 +48,9 @@ def test_release_of_a_free_block_is_refused() -> None:
     num_blocks=st.integers(8, 64),
     block_size=st.sampled_from([1, 4, 16]),
     operations=st.lists(
-        st.tuples(st.sampled_from(["grow", "free", "share"]), st.integers(0, 7), st.integers(1, 40)),
+        st.tuples(
+            st.sampled_from(["grow", "free", "share"]), st.integers(0, 7), st.integers(1, 40)
+        ),
         max_size=80,
     ),
 )

@@ -70,7 +70,9 @@ def test_greedy_matches_transformers(small_checkpoint: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     llm = LLM(str(small_checkpoint), max_model_len=256, block_size=8)
-    prompts = [llm.tokenizer.encode(t) for t in ("Hello there", "One two three four five six seven")]
+    prompts = [
+        llm.tokenizer.encode(t) for t in ("Hello there", "One two three four five six seven")
+    ]
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
     outputs = llm.generate(prompts, params)
 

@@ -16,7 +16,9 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def greedy(llm: LLM):
-    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[
+        0
+    ].outputs[0]
 
 
 def run(llm: LLM, **params) -> object:
@@ -32,10 +34,14 @@ def test_filters_that_keep_one_token_are_greedy(llm: LLM, greedy) -> None:
 def test_seed_gives_the_same_tokens_whatever_shares_the_batch(llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=1234)
     alone = llm.generate(PROMPT, params)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=1.2, max_tokens=30, ignore_eos=True, seed=s) for s in (1, None)]
+    others = [
+        SamplingParams(temperature=1.2, max_tokens=30, ignore_eos=True, seed=s) for s in (1, None)
+    ]
     crowded = llm.generate(["Hello", PROMPT, "def f(x):"], [others[0], params, others[1]])
     assert crowded[1].outputs[0].token_ids == alone
-    different_seed = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=99)
+    different_seed = SamplingParams(
+        temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=99
+    )
     assert llm.generate(PROMPT, different_seed)[0].outputs[0].token_ids != alone
 
 
@@ -70,9 +76,13 @@ def test_eos_min_tokens_max_tokens_and_ignore_eos(llm: LLM) -> None:
     short = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
     assert short.finish_reason == "stop" and short.token_ids[-1] in llm.engine.eos_token_ids
     assert len(short.token_ids) < 64
-    held = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64, min_tokens=len(short.token_ids) + 5))
+    held = llm.chat(
+        chat, SamplingParams(temperature=0, max_tokens=64, min_tokens=len(short.token_ids) + 5)
+    )
     assert len(held[0].outputs[0].token_ids) >= len(short.token_ids) + 5
-    full = llm.chat(chat, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    full = llm.chat(chat, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[
+        0
+    ]
     assert len(full.token_ids) == 30 and full.finish_reason == "length"
 
 
@@ -94,8 +104,11 @@ def test_penalties_change_greedy_output(llm: LLM, greedy) -> None:
 def test_abort_frees_every_block(llm: LLM) -> None:
     engine = llm.engine
     for i in range(4):
-        engine.add_request(f"abort-{i}", llm.tokenizer.encode(PROMPT * (i + 1)),
-                           SamplingParams(max_tokens=100, ignore_eos=True))
+        engine.add_request(
+            f"abort-{i}",
+            llm.tokenizer.encode(PROMPT * (i + 1)),
+            SamplingParams(max_tokens=100, ignore_eos=True),
+        )
     for _ in range(3):
         engine.step()
     assert engine.kv_cache_manager.num_free_blocks < engine.kv_cache_manager.num_total_blocks
@@ -110,8 +123,11 @@ def test_memory_waste_stays_under_one_block_per_sequence(llm: LLM) -> None:
     block_size = engine.kv_cache_manager.block_size
     lengths = [3, 17, 40, 95, 160, 250]
     for i, length in enumerate(lengths):
-        engine.add_request(f"mem-{i}", [200 + (j % 500) for j in range(length)],
-                           SamplingParams(max_tokens=20, ignore_eos=True))
+        engine.add_request(
+            f"mem-{i}",
+            [200 + (j % 500) for j in range(length)],
+            SamplingParams(max_tokens=20, ignore_eos=True),
+        )
     worst = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -119,12 +135,21 @@ def test_memory_waste_stays_under_one_block_per_sequence(llm: LLM) -> None:
             allocated = len(engine.kv_cache_manager.block_tables[request.request_id]) * block_size
             waste = allocated - request.num_computed_tokens
             worst = max(worst, waste)
-            assert 0 <= waste < block_size, (request.request_id, allocated, request.num_computed_tokens)
+            assert 0 <= waste < block_size, (
+                request.request_id,
+                allocated,
+                request.num_computed_tokens,
+            )
     assert worst > 0  # the check saw partly filled tail blocks
 
 
 def test_bad_parameters_are_refused_before_queueing(llm: LLM) -> None:
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"min_tokens": 5, "max_tokens": 2}):
+    for bad in (
+        {"temperature": -1},
+        {"top_p": 0},
+        {"max_tokens": 0},
+        {"min_tokens": 5, "max_tokens": 2},
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="maximum context length is 1,024"):

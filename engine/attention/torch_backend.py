@@ -34,7 +34,9 @@ class _Group:
     """Sequences attended together, their queries padded to one length."""
 
     block_tables: torch.Tensor  # [G, blocks]
-    query_rows: torch.Tensor  # [G * max_q] token row for each padded query slot (padding reads row 0)
+    query_rows: (
+        torch.Tensor
+    )  # [G * max_q] token row for each padded query slot (padding reads row 0)
     valid_slots: torch.Tensor  # [n] positions in the padded layout that hold real tokens
     valid_rows: torch.Tensor  # [n] the token rows they belong to
     mask: torch.Tensor  # [G, 1, max_q, blocks * block_size] True where attention is allowed
@@ -111,9 +113,17 @@ def paged_attention(
         q = query.index_select(0, group.query_rows)
         q = q.view(num_seqs, group.max_query_len, num_heads, head_dim).transpose(1, 2)
         k = key_cache[group.block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = value_cache[group.block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = (
+            value_cache[group.block_tables]
+            .view(num_seqs, -1, num_kv_heads, head_dim)
+            .transpose(1, 2)
+        )
         attended = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=scale,
+            q,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=group.mask,
+            scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
         attended = attended.transpose(1, 2).reshape(-1, num_heads, head_dim)

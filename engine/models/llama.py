@@ -52,9 +52,7 @@ class LlamaShape:
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             max_position_embeddings=config.max_position_embeddings,
-            qkv_bias=bool(
-                getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-            ),
+            qkv_bias=bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
@@ -66,7 +64,9 @@ def rope_cos_sin_cache(shape: LlamaShape, max_positions: int) -> torch.Tensor:
     rotate bit for bit like the reference; ``llama3`` and ``linear`` scaling are supported.
     """
     dim = shape.head_dim
-    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = shape.rope_scaling
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
@@ -139,7 +139,9 @@ class LlamaLayer(nn.Module):
         query, key = backend.rotary_embedding(positions, query, key, cos_sin_cache)
         key_cache, value_cache = kv_cache
         backend.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        attended = backend.paged_attention(query, key_cache, value_cache, attention_plan, self.scale)
+        attended = backend.paged_attention(
+            query, key_cache, value_cache, attention_plan, self.scale
+        )
         hidden = self.o_proj(attended.view(num_tokens, -1))
 
         hidden, residual = backend.fused_add_rms_norm(
@@ -179,10 +181,18 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(
-                hidden, residual, positions, kv_cache, meta, attention_plan,
-                self.cos_sin_cache, self.backend,
+                hidden,
+                residual,
+                positions,
+                kv_cache,
+                meta,
+                attention_plan,
+                self.cos_sin_cache,
+                self.backend,
             )
-        hidden, _ = self.backend.fused_add_rms_norm(hidden, residual, self.norm, self.shape.rms_norm_eps)
+        hidden, _ = self.backend.fused_add_rms_norm(
+            hidden, residual, self.norm, self.shape.rms_norm_eps
+        )
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

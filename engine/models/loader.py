@@ -46,7 +46,7 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
     loaded: set[str] = set()
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as reader:
-            for name in reader.keys():
+            for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 target = _load_tensor(model, name, reader.get_tensor(name))
                 if target is not None:
                     loaded.add(target)

@@ -48,8 +48,11 @@ class Result:
 
 
 def make_workload(
-    num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-    vocab_size: int, seed: int,
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab_size: int,
+    seed: int,
 ) -> Workload:
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, num_requests)
@@ -59,7 +62,9 @@ def make_workload(
     return Workload(prompts=prompts, output_lens=[int(n) for n in output_lens])
 
 
-def run_hf(model: torch.nn.Module, workload: Workload, concurrency: int, pad_token_id: int) -> float:
+def run_hf(
+    model: torch.nn.Module, workload: Workload, concurrency: int, pad_token_id: int
+) -> float:
     """Output tokens/s of static batches: left-padded prompts, run to the batch's longest output."""
     started = time.perf_counter()
     with torch.inference_mode():
@@ -118,8 +123,11 @@ def run(args: argparse.Namespace) -> list[Result]:
     for dtype in args.dtypes:
         llm = LLM(args.model, dtype=dtype, max_num_seqs=max(args.concurrency), max_model_len=1024)
         workload = make_workload(
-            args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
-            llm.engine.shape.vocab_size, args.seed,
+            args.num_requests,
+            tuple(args.prompt_len),
+            tuple(args.output_len),
+            llm.engine.shape.vocab_size,
+            args.seed,
         )
         hf = AutoModelForCausalLM.from_pretrained(
             llm.engine.resolved.folder, dtype=getattr(torch, dtype)
@@ -133,7 +141,15 @@ def run(args: argparse.Namespace) -> list[Result]:
             llm.engine.scheduler.max_num_seqs = concurrency
             llmpool_rate, timings = run_llmpool(llm, workload)
             per_step, overhead = breakdown(timings)
-            result = Result(dtype, concurrency, hf_rate, llmpool_rate, llmpool_rate / hf_rate, per_step, overhead)
+            result = Result(
+                dtype,
+                concurrency,
+                hf_rate,
+                llmpool_rate,
+                llmpool_rate / hf_rate,
+                per_step,
+                overhead,
+            )
             logger.info("%s", result)
             results.append(result)
         del llm, hf
@@ -182,21 +198,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="llmpool bench offline", description=__doc__)
     parser.add_argument("--model", default=None, help="HF folder; default: the built-in model")
     parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    parser.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64]
+    )
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/offline"))
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = parse_args(argv)
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    (args.out / "results.json").write_text(
+        json.dumps([asdict(r) for r in results], indent=2) + "\n"
+    )
     table = markdown_table(results)
     (args.out / "results.md").write_text(table + "\n")
     plot(results, args.out / "throughput.png")
