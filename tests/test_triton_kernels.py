@@ -29,7 +29,7 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 for _name in sorted(n for n in sys.modules if n.startswith("llmpool.engine.kernels.")):
     importlib.reload(sys.modules[_name])
 
-from llmpool.engine.attention import TORCH, AttentionMetadata  # noqa: E402
+from llmpool.engine.attention import TORCH, AttentionMetadata, select_backend  # noqa: E402
 from llmpool.engine.attention.triton_backend import TRITON  # noqa: E402
 
 # fp32 must agree to rounding-order noise; fp16 rounds the softmax probabilities to fp16
@@ -42,6 +42,11 @@ ATTENTION_TOL = {
 }
 NUM_KV_HEADS = 2
 HEAD_DIM = 64
+
+
+def test_cuda_selects_the_triton_backend() -> None:
+    assert select_backend(torch.device("cuda")) is TRITON
+    assert select_backend(torch.device("cpu")) is TORCH
 
 
 @pytest.fixture(params=[DEVICE])
@@ -118,9 +123,11 @@ def test_paged_attention_mixed_prefill_and_decode(
     bs = block_size
     # (query_len, seq_len): a 1-token context; decodes whose context ends on, just past and
     # well past a block boundary; a whole prompt ending on a boundary; prefill chunks after
-    # cached context, one of them ending on a boundary and one longer than a query tile.
+    # cached context, one of them ending on a boundary (and on the kernel's 64-key step) and
+    # one longer than a query tile.
     sequences = [
         (1, 1),
+        (3, 4 * bs),
         (1, bs),
         (1, bs + 1),
         (2 * bs, 2 * bs),
@@ -176,6 +183,20 @@ def test_paged_attention_split_context(
         device=device,
         seed=3,
         num_splits=3,
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 24])
+def test_paged_attention_small_and_odd_block_sizes(block_size: int, device: torch.device) -> None:
+    # Keys are gathered across blocks, so any block size the engine accepts works.
+    _check_attention(
+        [1, 9, 1],
+        [1, 30, 49],
+        dtype=torch.float32,
+        queries_per_kv=3,
+        block_size=block_size,
+        device=device,
+        seed=4,
     )
 
 

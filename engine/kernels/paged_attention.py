@@ -11,10 +11,14 @@ import triton.language as tl
 from llmpool.engine.attention.metadata import AttentionMetadata
 from llmpool.engine.kernels.common import dot_precision, matmul_dtype
 
-# tl.dot needs at least 16 rows; more rows per tile reuse each loaded K/V page for more
+# tl.dot needs at least 16 rows; more rows per tile reuse each loaded K/V tile for more
 # queries (prefill), at the price of idle rows when a sequence has fewer queries (decode).
 _MIN_TILE_ROWS = 16
 _MAX_TILE_ROWS = 64
+# Keys per loop step, gathered across cache blocks, so the step size (bytes in flight) does
+# not depend on the engine's block size. Tall query tiles take fewer keys to save registers.
+_KEYS_PER_STEP = 64
+_KEYS_PER_STEP_TALL = 32
 # Splitting a context across programs (flash decoding) pays off only when the grid would
 # leave SMs idle, and only while each split still reads a worthwhile stretch of keys.
 _MIN_KEYS_PER_SPLIT = 512
@@ -55,16 +59,18 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MMA_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: ``BLOCK_Q`` query tokens of one sequence x the query heads of one KV head,
-    over one of ``NUM_SPLITS`` stretches of the sequence's pages.
+    over one of ``NUM_SPLITS`` stretches of the sequence's context.
 
-    Rows of the tile are (token, head-in-group) pairs, so every K/V page is loaded once for
-    the whole GQA group. Softmax is computed online (flash attention) over the pages of the
-    block table, up to the last position any row of the tile may see. With one split the
+    Rows of the tile are (token, head-in-group) pairs, so every K/V row is loaded once for
+    the whole GQA group. Softmax is computed online (flash attention) over ``BLOCK_N`` keys
+    a step, each key's cache block looked up in the block table, up to the last position
+    any row of the tile may see. With one split the
     result is final; with more, each split leaves its normalized output and log-sum-exp for
     ``_combine_splits_kernel``.
     """
@@ -89,10 +95,9 @@ def _paged_attention_kernel(
     dim_valid = dims < HEAD_DIM
     row_mask = row_valid[:, None] & dim_valid[None, :]
 
-    q_offsets = (query_begin + token)[:, None].to(tl.int64) * q_stride_t + head[
-        :, None
-    ] * q_stride_h
-    q = tl.load(query_ptr + q_offsets + dims[None, :], mask=row_mask, other=0.0).to(tl.float32)
+    q_offsets = (query_begin + token)[:, None].to(tl.int64) * q_stride_t
+    q_offsets += head[:, None] * q_stride_h + dims[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=row_mask, other=0.0).to(tl.float32)
     # Fold the softmax scale and log2(e) into q once, so the loop uses exp2 directly.
     q = (q * (scale * 1.4426950408889634)).to(MMA_DTYPE)
     # Padding rows get a position past the tile's last real one: they see valid keys only,
@@ -101,40 +106,32 @@ def _paged_attention_kernel(
 
     last_token = tl.minimum(tile_start + BLOCK_Q, query_len) - 1
     num_keys = context_before + last_token + 1
-    num_pages = tl.cdiv(num_keys, BLOCK_SIZE)
-    pages_per_split = tl.cdiv(num_pages, NUM_SPLITS)
-    first_page = split * pages_per_split
-    end_page = tl.minimum(first_page + pages_per_split, num_pages)
+    num_steps = tl.cdiv(num_keys, BLOCK_N)
+    steps_per_split = tl.cdiv(num_steps, NUM_SPLITS)
+    first_step = split * steps_per_split
+    end_step = tl.minimum(first_step + steps_per_split, num_steps)
 
     m = tl.full([BLOCK_Q * QUERIES_PER_KV_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_Q * QUERIES_PER_KV_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * QUERIES_PER_KV_PAD, HEAD_DIM_PAD], tl.float32)
-    offsets_in_page = tl.arange(0, BLOCK_SIZE)
-    for page in range(first_page, end_page):
-        physical = tl.load(block_tables_ptr + seq * bt_stride + page).to(tl.int64)
-        key_pos = page * BLOCK_SIZE + offsets_in_page
+    for step in range(first_step, end_step):
+        key_pos = step * BLOCK_N + tl.arange(0, BLOCK_N)
         key_valid = key_pos < num_keys
+        # Block numbers are loaded as integers and turned into offsets here.
+        physical = tl.load(
+            block_tables_ptr + seq * bt_stride + key_pos // BLOCK_SIZE, mask=key_valid, other=0
+        ).to(tl.int64)
+        row_in_block = key_pos % BLOCK_SIZE
         kv_mask = key_valid[:, None] & dim_valid[None, :]
-        k = tl.load(
-            key_cache_ptr
-            + physical * k_stride_b
-            + offsets_in_page[:, None] * k_stride_o
-            + kv_head * k_stride_h
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            value_cache_ptr
-            + physical * v_stride_b
-            + offsets_in_page[:, None] * v_stride_o
-            + kv_head * v_stride_h
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
+        k_rows = physical * k_stride_b + row_in_block * k_stride_o + kv_head * k_stride_h
+        v_rows = physical * v_stride_b + row_in_block * v_stride_o + kv_head * v_stride_h
+        # Straight to the matmul dtype: a no-op on GPU, fp32 for bf16 in the interpreter.
+        k = tl.load(key_cache_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = k.to(MMA_DTYPE)
+        v = v.to(MMA_DTYPE)
 
-        scores = tl.dot(q, tl.trans(k.to(MMA_DTYPE)), input_precision=DOT_PRECISION)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         allowed = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
         scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -145,7 +142,7 @@ def _paged_attention_kernel(
         correction = tl.exp2(m - m_safe)
         denom = denom * correction + tl.sum(probs, 1)
         acc = acc * correction[:, None] + tl.dot(
-            probs.to(MMA_DTYPE), v.to(MMA_DTYPE), input_precision=DOT_PRECISION
+            probs.to(MMA_DTYPE), v, input_precision=DOT_PRECISION
         )
         m = m_new
 
@@ -283,11 +280,6 @@ def paged_attention(
     for tensor in (query, key_cache, value_cache):
         if tensor.stride(-1) != 1:
             raise ValueError("paged_attention needs head_dim to be the contiguous dimension")
-    # A page is one tl.dot operand: a power of two, at least 16 rows.
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(
-            f"the Triton backend needs a power-of-two block_size >= 16, got {block_size}"
-        )
     queries_per_kv = num_heads // num_kv_heads
     queries_per_kv_pad = triton.next_power_of_2(queries_per_kv)
     block_q = _block_q(meta.max_query_len, queries_per_kv_pad)
@@ -338,6 +330,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
+        BLOCK_N=_KEYS_PER_STEP_TALL if block_q * queries_per_kv_pad > 32 else _KEYS_PER_STEP,
         NUM_SPLITS=num_splits,
         MMA_DTYPE=matmul_dtype(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
