@@ -202,8 +202,9 @@ def hf_throughput(
 
 
 def throughput_rows(prompt_len: int, max_tokens: int, concurrencies: list[int]) -> list[Row]:
-    from llmpool.engine.model_source import resolve
     from transformers import AutoConfig
+
+    from llmpool.engine.model_source import resolve
 
     folder = resolve(None).folder
     vocab_size = AutoConfig.from_pretrained(folder).vocab_size

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+
 from llmpool.engine.attention.metadata import AttentionMetadata
 from llmpool.engine.kernels.common import dot_precision, matmul_dtype
 
