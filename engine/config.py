@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmpool.engine.priority import PRIORITY_CLASSES
+
 _SIZE_UNITS = {
     "": 1,
     "k": 1000,
@@ -29,6 +31,8 @@ def parse_bytes(value: int | str) -> int:
     return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
 
 
+QUANTIZATIONS = ("none", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,6 +51,10 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # bytes for the KV pool; default from device memory
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    priority_class: str = "interactive"  # the class of requests that name none (engine/priority.py)
+    quantization: str = "none"  # none | int8 (weight-only, per-output-channel scales)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3 with per-layer scales
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
@@ -77,6 +85,23 @@ class EngineConfig:
             (
                 self.dtype == "auto" or self.dtype in DTYPES,
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
+            ),
+            (
+                self.priority_class in PRIORITY_CLASSES,
+                f"priority_class must be one of {', '.join(PRIORITY_CLASSES)}, got {self.priority_class!r}",
+            ),
+            (
+                self.quantization in QUANTIZATIONS,
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
+            ),
+            (
+                self.quantization != "fp8",
+                "quantization fp8 (fp8 weights) is not implemented; use int8, or kv_cache_dtype fp8"
+                " for an fp8 KV cache",
+            ),
+            (
+                self.kv_cache_dtype in KV_CACHE_DTYPES,
+                f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}",
             ),
         ]
         for ok, message in checks:

@@ -20,6 +20,7 @@ from llmpool.engine.model_runner import ModelRunner
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
 from llmpool.engine.models.loader import SUPPORTED_MODEL_TYPES, load_weights
 from llmpool.engine.outputs import RequestDelta
+from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.request import Request, RequestStatus
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.scheduler import Scheduler
@@ -41,6 +42,8 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (vLLM counts tokens)
+    prefix_cache_hits: int  # of those, tokens found cached
 
 
 def model_shape_for_capacity(shape: LlamaShape, num_parameters: int) -> capacity.ModelShape:
@@ -87,7 +90,9 @@ class EngineCore:
         self.capacity_shape = model_shape_for_capacity(self.shape, num_parameters)
 
         num_blocks = self._num_kv_blocks()
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.kv_caches = [
             (
                 torch.zeros(
@@ -179,9 +184,14 @@ class EngineCore:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
-        priority: int = 0,
+        priority: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request; a prompt that cannot fit raises PromptTooLongError before queuing."""
+        """Queue a request; a prompt that cannot fit raises PromptTooLongError before queuing.
+
+        ``priority`` None means the engine's ``priority_class``; ``cache_salt`` keeps the
+        request's prefix-cache blocks apart from those of requests with another salt.
+        """
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
@@ -199,7 +209,8 @@ class EngineCore:
             sampling_params,
             self.eos_token_ids,
             arrival_time,
-            priority,
+            PRIORITY_CLASSES[self.config.priority_class] if priority is None else priority,
+            cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
         self.detokenizers[request_id] = IncrementalDetokenizer(
@@ -270,6 +281,8 @@ class EngineCore:
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_total_blocks=self.kv_cache_manager.num_total_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
         )
 
 

@@ -61,7 +61,7 @@ class LLM:
                         f"{request_id}-{child}",
                         token_ids,
                         child_params,
-                        priority=priority[index] if priority else 0,
+                        priority=priority[index] if priority else None,
                     )
         except Exception:
             # One bad prompt refuses the whole call; nothing of it stays queued.

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from llmpool.engine.block_hash import BlockHash
 from llmpool.engine.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class Request:
         eos_token_ids: frozenset[int],
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -49,6 +51,9 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.cache_salt = cache_salt
+        # Hashes of the full blocks of all_token_ids so far (prefix caching), filled lazily.
+        self.block_hashes: list[BlockHash] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING

@@ -89,9 +89,13 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new):
+            # Waiting requests (new or preempted) have nothing computed; cached blocks count.
+            computed_blocks = self.kv_cache_manager.get_computed_blocks(request)
+            num_cached = len(computed_blocks) * self.kv_cache_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks):
                 break
+            request.num_computed_tokens = num_cached
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
