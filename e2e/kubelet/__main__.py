@@ -28,6 +28,7 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     kubelet = Kubelet(
         Api(args.kubeconfig), args.node_name, args.root_dir, args.pod_log_dir, args.apiserver_port

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,9 @@ class Api:
         user = cfg["users"][0]["user"]
         self.server: str = cluster["server"]
         self.ca_file: str = cluster["certificate-authority"]
-        self._client = httpx.Client(
-            base_url=self.server,
-            verify=self.ca_file,
-            cert=(user["client-certificate"], user["client-key"]),
-            timeout=httpx.Timeout(30.0),
-        )
+        tls = ssl.create_default_context(cafile=self.ca_file)
+        tls.load_cert_chain(user["client-certificate"], user["client-key"])
+        self._client = httpx.Client(base_url=self.server, verify=tls, timeout=httpx.Timeout(30.0))
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Json:
         resp = self._client.request(method, path, **kwargs)

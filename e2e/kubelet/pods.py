@@ -46,15 +46,14 @@ class NodeContext:
             raise
 
 
-class PodWorker(threading.Thread):
+class PodWorker:
     """Sets up the pod's network and volumes, runs init then main containers, probes
     them, restarts them per restartPolicy, and terminates them gracefully on deletion."""
 
     def __init__(self, ctx: NodeContext, pod: Json, on_exit: Callable[[str], None]) -> None:
         self.uid: str = pod["metadata"]["uid"]
-        super().__init__(
-            name=f"pod-{pod['metadata']['namespace']}/{pod['metadata']['name']}", daemon=True
-        )
+        self.name = f"pod {pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self.ctx = ctx
         self._pod = pod
         self._lock = threading.Lock()
@@ -95,7 +94,13 @@ class PodWorker(threading.Thread):
             return self._pod
 
     # ------------------------------------------------------------------ lifecycle
-    def run(self) -> None:
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
         try:
             if self._prepare():
                 self._loop()
@@ -113,8 +118,9 @@ class PodWorker(threading.Thread):
 
     def _prepare(self) -> bool:
         """Network and volumes; waits (ContainerCreating) while referenced objects are missing."""
-        self._report()
-        if not self.pod["spec"].get("hostNetwork"):
+        if not self._deleting():
+            self._report()
+        if not self._deleting() and not self.pod["spec"].get("hostNetwork"):
             self.net = self.ctx.allocator.setup(self.uid)
         while not self._deleting():
             try:
