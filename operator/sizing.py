@@ -9,14 +9,23 @@ from llmpool import capacity
 from llmpool.operator.engine_args import quantity_bytes
 from llmpool.operator.spec import PoolSpec
 
-# kvCacheDtype "auto" stores KV in the model's dtype; the built-in models run in bfloat16.
-KV_DTYPE_OF_CACHE_DTYPE = {"auto": "bfloat16", "fp8": "fp8"}
+GPU_RESOURCE_SUFFIX = "/gpu"  # nvidia.com/gpu, amd.com/gpu
 
 
 @dataclass(frozen=True)
 class Sizing:
     capacity: dict[str, Any]
     problems: list[str] = field(default_factory=list)
+
+
+def kv_dtype(spec: PoolSpec) -> str:
+    """The KV-cache dtype a replica will use: ``auto`` follows the engine's dtype, which is
+    bfloat16 on an accelerator and float32 on CPU (a pool without a GPU resource)."""
+    if spec.kv_cache_dtype == "fp8":
+        return "fp8"
+    resources = {**spec.resources.get("requests", {}), **spec.resources.get("limits", {})}
+    on_gpu = any(name.endswith(GPU_RESOURCE_SUFFIX) for name in resources)
+    return "bfloat16" if on_gpu else "float32"
 
 
 def builtin_shape(source: str) -> capacity.ModelShape | None:
@@ -30,8 +39,8 @@ def size_pool(spec: PoolSpec) -> Sizing:
     shape = builtin_shape(spec.source)
     if shape is None:
         return Sizing({"message": "sizing needs the model's shape; known for built-in models only"})
-    kv_dtype = KV_DTYPE_OF_CACHE_DTYPE[spec.kv_cache_dtype]
-    result: dict[str, Any] = {"kvBytesPerToken": capacity.kv_bytes_per_token(shape, kv_dtype)}
+    dtype = kv_dtype(spec)
+    result: dict[str, Any] = {"kvBytesPerToken": capacity.kv_bytes_per_token(shape, dtype)}
     problems = []
     if spec.max_model_len > shape.max_position_embeddings:
         problems.append(
@@ -43,7 +52,7 @@ def size_pool(spec: PoolSpec) -> Sizing:
     else:
         memory = quantity_bytes(spec.engine.kv_cache_memory)
         block_size = spec.engine.block_size
-        blocks = capacity.num_kv_blocks(shape, kv_dtype, block_size, memory)
+        blocks = capacity.num_kv_blocks(shape, dtype, block_size, memory)
         result["kvBlocks"] = blocks
         result["maxSequences"] = capacity.max_concurrent_sequences(
             blocks, block_size, spec.max_model_len

@@ -9,9 +9,11 @@ from llmpool.operator.spec import PoolSpec
 SHAPE = capacity.BUILTIN_MODEL_SHAPES["smollm2-135m-instruct"]
 
 
-def test_builtin_capacity(chat_spec):
+def test_builtin_capacity_on_cpu(chat_spec):
+    """The example (no GPU) runs float32: 256 MiB hold 364 blocks, as the engine reports."""
     sizing = size_pool(PoolSpec.from_dict(chat_spec))
-    per_token = capacity.kv_bytes_per_token(SHAPE, "bfloat16")
+    per_token = capacity.kv_bytes_per_token(SHAPE, "float32")
+    assert sizing.capacity["kvBlocks"] == 364
     blocks = 256 * 1024**2 // (per_token * 16)
     assert sizing.capacity == {
         "kvBytesPerToken": per_token,
@@ -21,10 +23,12 @@ def test_builtin_capacity(chat_spec):
     assert sizing.problems == []
 
 
-def test_fp8_halves_the_kv_bytes(chat_spec):
-    auto = size_pool(PoolSpec.from_dict(chat_spec)).capacity["kvBytesPerToken"]
-    fp8 = size_pool(PoolSpec.from_dict({**chat_spec, "kvCacheDtype": "fp8"})).capacity
-    assert fp8["kvBytesPerToken"] * 2 == auto
+def test_gpu_pools_size_bfloat16_and_fp8_halves_it(chat_spec):
+    gpu = {**chat_spec, "resources": {"limits": {"nvidia.com/gpu": 1}}}
+    bf16 = size_pool(PoolSpec.from_dict(gpu)).capacity["kvBytesPerToken"]
+    assert bf16 == capacity.kv_bytes_per_token(SHAPE, "bfloat16")
+    fp8 = size_pool(PoolSpec.from_dict({**gpu, "kvCacheDtype": "fp8"})).capacity
+    assert fp8["kvBytesPerToken"] * 2 == bf16
 
 
 def test_impossible_spec(chat_spec):
