@@ -3,7 +3,7 @@
 The cluster is built (or taken from the cache), started once per session and stopped at
 the end; a cluster already started with ``e2e/cluster up`` is reused and left running.
 When a test fails, the daemons' and pods' logs are copied to ``e2e/.logs/<time>/``
-(or ``$LLMPOOL_E2E_LOGS``) and their tails printed.
+(or ``$LLMPOOL_E2E_LOGS``) and the tails of the daemons' logs printed.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from harness import ClusterHandle, wait_for  # noqa: E402
 LOG_TAIL_LINES = 40
 
 
-def _report_logs(request: pytest.FixtureRequest, cluster: Cluster) -> None:
+def _report_logs(request: pytest.FixtureRequest, cluster: Cluster, why: str) -> None:
     default = Path(__file__).resolve().parent / ".logs" / time.strftime("%Y%m%d-%H%M%S")
     dest = cluster.save_logs(Path(os.environ.get("LLMPOOL_E2E_LOGS", default)))
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     write = reporter.write_line if reporter else print
-    write(f"e2e: tests failed; cluster and pod logs kept in {dest}")
-    for log in sorted(dest.rglob("*.log")):
+    write(f"e2e: {why}; cluster and pod logs kept in {dest} (pods/ holds container output)")
+    for log in sorted(dest.glob("*.log")):
         lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         write(f"----- {log.relative_to(dest)} (last {len(lines)} lines)")
         for line in lines:
@@ -42,11 +42,15 @@ def _report_logs(request: pytest.FixtureRequest, cluster: Cluster) -> None:
 def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterHandle]:
     control_plane = Cluster()
     reused = control_plane.running()
-    control_plane.up()
+    try:
+        control_plane.up()
+    except Exception:
+        _report_logs(request, control_plane, "the cluster did not start")
+        raise
     env = {**os.environ, **control_plane.env()}
     yield ClusterHandle(control_plane.kubeconfig, env, control_plane.logs_dir)
     if request.session.testsfailed:
-        _report_logs(request, control_plane)
+        _report_logs(request, control_plane, "tests failed")
     if not reused:
         control_plane.down()
 

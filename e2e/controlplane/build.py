@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import versions
+from .locking import locked
 
 KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
 
@@ -227,9 +228,10 @@ def build_helm(version: str = versions.HELM) -> Path:
 def ensure_binaries() -> Binaries:
     """Build whatever is missing from the cache and return the binary paths."""
     started = time.monotonic()
-    etcd = build_etcd()
-    kube = build_kubernetes()
-    helm = build_helm()
+    with locked(versions.cache_dir() / ".lock"):
+        etcd = build_etcd()
+        kube = build_kubernetes()
+        helm = build_helm()
     _log(f"binaries ready in {time.monotonic() - started:.0f}s under {versions.cache_dir()}")
     return Binaries(
         etcd=etcd / "etcd",

@@ -15,14 +15,19 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kubelet import network
+
 from . import build, certs, processes, topology, versions
+from .locking import locked
 
 E2E_DIR = Path(__file__).resolve().parent.parent
 # Stop order matters: the kubelet terminates its pods while the apiserver is still up.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet")
+LOCK_NAME = ".lock"
 
 
 def default_state_dir() -> Path:
@@ -100,12 +105,17 @@ class Cluster:
 
     # -------------------------------------------------------------------- up
     def up(self, timeout: float = 180.0) -> None:
-        if self.running():
-            _log(f"reusing the running cluster in {self.state_dir}")
-            return
-        self.down(quiet=True)
-        started = time.monotonic()
+        """Start the cluster, or reuse it if it runs; concurrent callers wait for each other."""
         binaries = build.ensure_binaries()
+        with locked(self.state_dir / LOCK_NAME):
+            if self.running():
+                _log(f"reusing the running cluster in {self.state_dir}")
+                return
+            self._stop(quiet=True)
+            self._start(binaries, timeout)
+
+    def _start(self, binaries: build.Binaries, timeout: float) -> None:
+        started = time.monotonic()
         shutil.rmtree(self.logs_dir, ignore_errors=True)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         rec = Record(
@@ -276,12 +286,11 @@ class Cluster:
         ]
 
     # ------------------------------------------------------------- readiness
-    def _wait(self, what: str, ready, deadline: float) -> None:  # noqa: ANN001
+    def _wait(self, what: str, ready: Callable[[], bool], deadline: float) -> None:
         while not ready():
+            rec = self.record()
             dead = [
-                c
-                for c, ok in self.component_status().items()
-                if not ok and c in (self.record() or Record()).pids
+                name for name, pid in (rec.pids if rec else {}).items() if not processes.alive(pid)
             ]
             if dead:
                 raise RuntimeError(
@@ -337,8 +346,12 @@ class Cluster:
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
     # ------------------------------------------------------------------ down
-    def down(self, quiet: bool = False) -> None:
+    def down(self) -> None:
         """Stop every daemon (kubelet first, etcd last) and remove the state, logs excepted."""
+        with locked(self.state_dir / LOCK_NAME):
+            self._stop(quiet=False)
+
+    def _stop(self, quiet: bool) -> None:
         rec = self.record()
         if rec is not None:
             for name in reversed(COMPONENTS):
@@ -346,11 +359,9 @@ class Cluster:
                     processes.stop(rec.pids[name], grace=45.0 if name == "kubelet" else 10.0)
                     if not quiet:
                         _log(f"stopped {name}")
-        from kubelet import network  # the kubelet cleans up after itself; this is the safety net
-
-        network.remove_all()
+        network.remove_all()  # the kubelet cleans up after itself; this is the safety net
         for entry in self.state_dir.glob("*") if self.state_dir.exists() else []:
-            if entry != self.logs_dir:
+            if entry not in (self.logs_dir, self.state_dir / LOCK_NAME):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
     def save_logs(self, dest: Path) -> Path:

@@ -99,6 +99,7 @@ class Container:
             term = {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}
         self.state = {"terminated": {**term, "startedAt": started, "finishedAt": now()}}
         self.ready = False
+        self.started = False
         return True
 
     def schedule_restart(self) -> None:

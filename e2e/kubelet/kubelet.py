@@ -118,8 +118,7 @@ class Kubelet:
         for worker in workers:
             meta = worker.pod["metadata"]
             if (meta["namespace"], meta["name"]) == (namespace, pod):
-                path = worker.container_log(container)
-                return (path, worker.is_alive()) if path else None
+                return worker.container_log(container)
         return None
 
     # ---------------------------------------------------------------- shutdown

@@ -97,9 +97,6 @@ class PodWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _run(self) -> None:
         try:
             if self._prepare():
@@ -273,11 +270,11 @@ class PodWorker:
         meta = self.pod["metadata"]
         return self.ctx.log_dir / f"{meta['namespace']}_{meta['name']}_{self.uid}" / f"{c.name}.log"
 
-    def container_log(self, name: str) -> Path | None:
-        """The log file of container ``name``; used by the kubelet's log endpoint."""
+    def container_log(self, name: str) -> tuple[Path, bool] | None:
+        """The log file of container ``name`` and whether it may still grow (for `logs -f`)."""
         for c in self.init + self.main:
             if c.name == name:
-                return self._log_path(c)
+                return self._log_path(c), not c.terminated and self._thread.is_alive()
         return None
 
     # ------------------------------------------------------------------ deletion

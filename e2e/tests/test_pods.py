@@ -192,3 +192,14 @@ def test_liveness_failure_restarts_the_container(cluster: ClusterHandle, namespa
         lambda p: container_status(p).get("restartCount", 0) >= 1,
         60,
     )
+
+
+def test_logs_follow_ends_with_the_container(cluster: ClusterHandle, namespace: str) -> None:
+    script = "for i in 1 2 3; do echo line $i; sleep 0.5; done"
+    cluster.apply(pod("talker", ["sh", "-c", script], restartPolicy="Never"), namespace=namespace)
+    cluster.wait_pod(
+        namespace, "talker", "to start", lambda p: phase(p) in ("Running", "Succeeded")
+    )
+    followed = cluster.run("kubectl", "logs", "-f", "talker", "-n", namespace, timeout=30)
+    assert followed.stdout.split("\n")[:3] == ["line 1", "line 2", "line 3"]
+    assert cluster.kubectl("logs", "talker", "-n", namespace, "--tail=1").strip() == "line 3"
