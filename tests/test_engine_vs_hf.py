@@ -12,8 +12,9 @@ CONFIGS = {
     "defaults": {},
     # Prompts of 500+ tokens run as 10+ chunks, mixed with other requests' decodes.
     "chunked-prefill": {"max_num_batched_tokens": 48},
-    # 50 blocks of 16 hold 800 tokens: the batch needs ~1,900, so requests are preempted.
-    "preemption": {"num_kv_blocks": 50, "max_model_len": 800},
+    # 40 blocks of 16 hold 640 tokens, enough for the longest request (555 + 64) alone, while
+    # the seven shorter ones together grow past it: requests are preempted and recomputed.
+    "preemption": {"num_kv_blocks": 40, "max_model_len": 640},
     "block-size-1": {"block_size": 1},
     "block-size-32": {"block_size": 32},
 }

@@ -224,7 +224,9 @@ def main(argv: list[str]) -> int:
         json.dumps([asdict(r) for r in results], indent=2) + "\n"
     )
     table = markdown_table(results)
-    (args.out / "results.md").write_text(table + "\n")
+    command = "llmpool bench offline " + " ".join(argv)
+    header = f"`{command.strip()}` — torch threads: {torch.get_num_threads()}\n\n"
+    (args.out / "results.md").write_text(header + table + "\n")
     plot(results, args.out / "throughput.png")
     print(table)
     return 0
