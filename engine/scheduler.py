@@ -70,6 +70,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._preempt_for_better_class(output)
+        num_preempted_for_class = len(output.preempted)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -81,9 +83,9 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        # Admitting new work in a step that had to preempt would only thrash the cache.
+        # Admitting new work in a step that ran short of blocks would only thrash the cache.
         while (
-            not output.preempted
+            len(output.preempted) == num_preempted_for_class
             and self.waiting
             and budget > 0
             and len(self.running) < self.max_num_seqs
@@ -103,6 +105,30 @@ class Scheduler:
             output.num_scheduled_tokens.append(num_new)
             budget -= num_new
         return output
+
+    def _preempt_for_better_class(self, output: SchedulerOutput) -> None:
+        """Give the seat and blocks of the worst running request to a waiting one of a better class.
+
+        Without this, batch requests that fill ``max_num_seqs`` or the KV pool would keep a newly
+        arrived interactive request waiting until they finish. Runs before anything is scheduled,
+        so victims have no tokens in this step. Cache hits are not counted in the blocks the
+        waiting request needs: at worst a batch request too many is preempted, and its blocks
+        stay cached for its return.
+        """
+        manager = self.kv_cache_manager
+        while self.waiting and self.running:
+            head, worst = self.waiting[0], self.running[-1]
+            if worst.priority <= head.priority:
+                return
+            first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
+            if (
+                len(self.running) < self.max_num_seqs
+                and manager.blocks_needed(first_chunk) <= manager.num_free_blocks
+            ):
+                return
+            self.running.pop()
+            self._preempt(worst)
+            output.preempted.append(worst)
 
     def _make_room(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Allocate slots for ``request``, preempting the lowest-priority, newest runners if needed.
