@@ -310,6 +310,7 @@ async def observe(
 
     observation = pool_status.Observation(
         pool=name,
+        revision=pool.revision,
         generation=generation,
         reconciled_generation=reconciled_generation,
         replicas=pool.replicas,

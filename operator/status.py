@@ -86,7 +86,10 @@ def _first_line(termination: Termination | None) -> str:
 
 
 def degraded_condition(
-    pods: Sequence[PodView], deployment: DeploymentView | None, problems: Sequence[str]
+    pods: Sequence[PodView],
+    deployment: DeploymentView | None,
+    problems: Sequence[str],
+    revision: str,
 ) -> cond.Condition:
     """Degraded, with the most specific reason first: a revision mismatch explains a crash loop."""
     mismatched = [
@@ -96,8 +99,11 @@ def degraded_condition(
     ]
     if mismatched:
         pod = mismatched[0]
+        termination = pod.terminated or pod.last_terminated
         detail = _first_line(pod.terminated) or _first_line(pod.last_terminated)
-        message = f"the model files do not match spec.model.revision (pod {pod.name}: {detail})"
+        if not detail and termination is not None:
+            detail = f"exit code {termination.exit_code}"
+        message = f"the model files do not match spec.model.revision {revision} (pod {pod.name}: {detail})"
         return cond.Condition(cond.DEGRADED, "True", "RevisionMismatch", message)
     crashing = [p for p in pods if p.waiting_reason == "CrashLoopBackOff"]
     if crashing:
@@ -144,6 +150,7 @@ class Observation:
     """Everything the status is computed from, gathered by the handler."""
 
     pool: str
+    revision: str
     generation: int
     reconciled_generation: int
     replicas: int
@@ -170,7 +177,9 @@ def compute_status(
     desired = [
         ready_condition(rollout, observation.replicas),
         progressing_condition(rollout),
-        degraded_condition(observation.pods, observation.deployment, observation.problems),
+        degraded_condition(
+            observation.pods, observation.deployment, observation.problems, observation.revision
+        ),
     ]
     if observation.drift is not None:
         desired.append(drifted_condition(observation.drift, observation.checked_replicas))

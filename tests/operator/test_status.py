@@ -23,6 +23,7 @@ NOW = "2026-01-01T00:00:00Z"
 def observe(make_pod, make_deployment, pods, deployment=None, **kwargs) -> Observation:
     fields = dict(
         pool="chat",
+        revision="sha256:" + "2" * 64,
         generation=3,
         reconciled_generation=3,
         replicas=2,
@@ -127,6 +128,13 @@ def test_revision_mismatch_on_a_first_failure(make_pod, make_deployment):
     failed = {"ready": False, "terminated": {"exitCode": 3, "message": "RevisionMismatch: x"}}
     status = status_of(observe(make_pod, make_deployment, [("a", failed)]))
     assert condition(status, "Degraded") == ("True", "RevisionMismatch")
+
+
+def test_revision_mismatch_without_a_termination_message(make_pod, make_deployment):
+    failed = {"ready": False, "waiting": "CrashLoopBackOff", "last_terminated": {"exitCode": 3}}
+    status = status_of(observe(make_pod, make_deployment, [("a", failed)]))
+    message = find(status["conditions"], "Degraded")["message"]
+    assert "sha256:" + "2" * 64 in message and "exit code 3" in message
 
 
 def test_other_crash_loops(make_pod, make_deployment):
