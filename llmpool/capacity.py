@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+WEIGHT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per parameter of each --quantization (None: the model's dtype). int8 also keeps one scale
+# per output channel, under 1% of the weights of any layer wider than 100.
+QUANTIZATION_BYTES: dict[str, int | None] = {"none": None, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,43 @@ BUILTIN_MODEL_SHAPES = {
         max_position_embeddings=8192,
     ),
 }
+
+
+def model_shape_from_config(config: dict[str, Any]) -> ModelShape:
+    """The shape of a Llama-family checkpoint from its config.json, counting its parameters."""
+    hidden = config["hidden_size"]
+    num_layers = config["num_hidden_layers"]
+    num_heads = config["num_attention_heads"]
+    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    head_dim = config.get("head_dim") or hidden // num_heads
+    vocab = config["vocab_size"]
+    qkv_size = (num_heads + 2 * num_kv_heads) * head_dim
+    has_qkv_bias = bool(config.get("attention_bias")) or config.get("model_type") == "qwen2"
+    per_layer = (
+        hidden * qkv_size  # q, k, v projections
+        + (qkv_size if has_qkv_bias else 0)
+        + num_heads * head_dim * hidden  # o projection
+        + 3 * hidden * config["intermediate_size"]  # gate, up, down
+        + 2 * hidden  # two RMSNorm weights
+    )
+    head = 0 if config.get("tie_word_embeddings") else vocab * hidden
+    return ModelShape(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_parameters=vocab * hidden + num_layers * per_layer + hidden + head,
+        max_position_embeddings=config["max_position_embeddings"],
+    )
+
+
+def weight_bytes(shape: ModelShape, dtype: str, quantization: str = "none") -> int:
+    """Memory of the weights: every parameter at the quantization's width, else at ``dtype``'s."""
+    if quantization not in QUANTIZATION_BYTES:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_BYTES)}, got {quantization!r}"
+        )
+    per_parameter = QUANTIZATION_BYTES[quantization] or WEIGHT_DTYPE_BYTES[dtype]
+    return shape.num_parameters * per_parameter
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:

@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "serve": ("llmpool.engine.server.cli", "serve a model over an OpenAI-compatible HTTP API"),
     "bench": ("llmpool.bench", "benchmarks: `bench offline` (engine vs HF) and `bench serve`"),
     "operator": ("llmpool.operator.main", "run the LLMPool Kubernetes operator"),
+    "plan": ("llmpool.plan", "weight and KV memory of a deployment, and how many sequences fit"),
 }
 
 
