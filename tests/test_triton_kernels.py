@@ -19,6 +19,8 @@ if DEVICE == "cpu":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed; the CUDA kernels cannot be tested")
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -123,11 +125,11 @@ def test_paged_attention_mixed_prefill_and_decode(
     bs = block_size
     # (query_len, seq_len): a 1-token context; decodes whose context ends on, just past and
     # well past a block boundary; a whole prompt ending on a boundary; prefill chunks after
-    # cached context, one of them ending on a boundary (and on the kernel's 64-key step) and
+    # cached context, one ending on a block boundary, one on the kernel's 64-key step, and
     # one longer than a query tile.
     sequences = [
         (1, 1),
-        (3, 4 * bs),
+        (3, 64),
         (1, bs),
         (1, bs + 1),
         (2 * bs, 2 * bs),
@@ -176,13 +178,40 @@ def test_paged_attention_split_context(
     # rows that see no key of its last stretch; both must drop out of the combination cleanly.
     _check_attention(
         [1, 1, 1, 20, 6],
-        [1, 16, 70, 50, 45],
+        [1, 16, 40, 50, 45],
         dtype=dtype,
         queries_per_kv=queries_per_kv,
         block_size=16,
         device=device,
         seed=3,
         num_splits=3,
+    )
+
+
+@st.composite
+def _ragged_batches(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    seq_lens = draw(st.lists(st.integers(1, 64), min_size=1, max_size=3))
+    query_lens = [draw(st.sampled_from([1, 1, n, draw(st.integers(1, n))])) for n in seq_lens]
+    return query_lens, seq_lens
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(
+    batch=_ragged_batches(),
+    queries_per_kv=st.sampled_from([1, 3, 8]),
+    block_size=st.sampled_from([16, 32]),
+)
+def test_paged_attention_random_ragged_batches(
+    batch: tuple[list[int], list[int]], queries_per_kv: int, block_size: int
+) -> None:
+    query_lens, seq_lens = batch
+    _check_attention(
+        query_lens,
+        seq_lens,
+        dtype=torch.float32,
+        queries_per_kv=queries_per_kv,
+        block_size=block_size,
+        device=torch.device(DEVICE),
     )
 
 
