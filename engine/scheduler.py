@@ -68,6 +68,12 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def schedule(self) -> SchedulerOutput:
+        """Running requests first, in (priority, arrival) order, then waiting ones.
+
+        One exception for priority classes: waiting requests of a better class are admitted
+        before running requests of a worse one, so a batch prefill cannot spend the budget
+        that a newly arrived interactive request needs.
+        """
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self._preempt_for_better_class(output)
@@ -75,6 +81,16 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if (
+                self.waiting
+                and self.waiting[0].priority < request.priority
+                and len(output.preempted) == num_preempted_for_class
+            ):
+                num_running = len(self.running)
+                budget = self._admit(output, budget, priority_limit=request.priority)
+                index += len(self.running) - num_running  # admitted ones sort ahead of request
+                if budget == 0:
+                    break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, num_new, output):
                 break  # the request preempted itself: it was the last one running
@@ -84,9 +100,18 @@ class Scheduler:
             index += 1
 
         # Admitting new work in a step that ran short of blocks would only thrash the cache.
+        if len(output.preempted) == num_preempted_for_class:
+            self._admit(output, budget)
+        return output
+
+    def _admit(
+        self, output: SchedulerOutput, budget: int, priority_limit: float = float("inf")
+    ) -> int:
+        """Move waiting requests of priority below ``priority_limit`` to running while seats,
+        blocks and budget last; returns the budget left."""
         while (
-            len(output.preempted) == num_preempted_for_class
-            and self.waiting
+            self.waiting
+            and self.waiting[0].priority < priority_limit
             and budget > 0
             and len(self.running) < self.max_num_seqs
         ):
@@ -104,7 +129,7 @@ class Scheduler:
             output.requests.append(request)
             output.num_scheduled_tokens.append(num_new)
             budget -= num_new
-        return output
+        return budget
 
     def _preempt_for_better_class(self, output: SchedulerOutput) -> None:
         """Give the seat and blocks of the worst running request to a waiting one of a better class.

@@ -103,3 +103,14 @@ def test_long_batch_prefill_never_stalls_interactive_decodes(batch_arrives_first
         steps_with_batch += "batch" in tokens
         assert tokens.get("batch", 0) <= budget - len(chats)
     assert steps_with_batch >= 7500 // budget
+
+
+def test_interactive_arriving_during_batch_prefill_is_admitted_next_step() -> None:
+    """The running batch prefill would spend the whole budget; the interactive request goes first."""
+    budget = 256
+    scheduler = Scheduler(KVCacheManager(1024, 16), 16, budget, 8192)
+    scheduler.add_request(make_request("batch", 4000, BATCH, arrival=0.0))
+    assert scheduled_tokens(run_step(scheduler)) == {"batch": budget}
+    scheduler.add_request(make_request("chat", 40, INTERACTIVE, arrival=1.0))
+    assert scheduled_tokens(run_step(scheduler)) == {"chat": 40, "batch": budget - 40}
+    assert scheduled_tokens(run_step(scheduler)) == {"chat": 1, "batch": budget - 1}
