@@ -322,6 +322,11 @@ class OpenAIServer:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def health(self, request: Request) -> Response:
+        """Alive unless the engine loop died, which only a restart cures."""
+        if self.engine.error is not None:
+            return JSONResponse(
+                {"status": "engine failed", "error": repr(self.engine.error)}, status_code=503
+            )
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:

@@ -231,6 +231,7 @@ class AsyncEngine:
             )
         finally:
             self._abort_everything()
+            self._reject_pending_adds()
 
     def _apply_commands(self, block: bool) -> None:
         commands = []
@@ -320,6 +321,16 @@ class AsyncEngine:
         if unfinished:
             self._abort_in_engine(unfinished)
             self.observer.on_stats(self.core.stats())
+
+    def _reject_pending_adds(self) -> None:
+        """Requests that reached the queue after the loop's last turn must not wait forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _AddGroup) and command.accepted.set_running_or_notify_cancel():
+                command.accepted.set_exception(EngineStoppedError("the server is shutting down"))
 
     def _call_soon(self, callback: Callable[..., None], *args: object) -> None:
         assert self._loop is not None

@@ -215,14 +215,14 @@ class EngineMetrics(StepObserver):
             self._update_prefix_cache(stats)
 
     def _update_prefix_cache(self, stats: EngineStats) -> None:
-        """Cumulative engine counters, present once the engine has prefix caching."""
+        """The engine counts cumulatively; Prometheus counters take the increments."""
         for name, counter in (
             ("prefix_cache_queries", self.prefix_cache_queries),
             ("prefix_cache_hits", self.prefix_cache_hits),
         ):
-            total = getattr(stats, name, None)
-            if total is not None and total > getattr(self.totals, name):
-                counter.labels(**self._model).inc(total - getattr(self.totals, name))
+            total, previous = getattr(stats, name), getattr(self.totals, name)
+            if total > previous:
+                counter.labels(**self._model).inc(total - previous)
                 setattr(self.totals, name, total)
 
     def snapshot(self) -> Totals:

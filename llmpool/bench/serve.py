@@ -1,6 +1,7 @@
 """`llmpool bench serve`: a streaming load generator for an OpenAI-compatible completions endpoint.
 
-For each concurrency level it sends ``--num-prompts`` streaming requests (token-id prompts of
+For each concurrency level it sends ``--num-prompts`` streaming requests, or ``--rounds`` times
+the concurrency so that every level keeps its slots busy for as many rounds (token-id prompts of
 ``--input-len`` tokens, the first ``--shared-prefix-len`` of them common to all, and exactly
 ``--output-len`` output tokens via ``ignore_eos``), at most ``concurrency`` in flight and, with
 ``--request-rate``, Poisson arrivals. It reports TTFT, TPOT, ITL and end-to-end latency
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import shlex
 import sys
@@ -226,16 +228,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.model is None:
             models = (await client.get("/v1/models")).raise_for_status().json()
             args.model = models["data"][0]["id"]
-        prompts = make_prompts(args.num_prompts, args.input_len, args.shared_prefix_len, args.seed)
+        level_sizes = [
+            args.rounds * c if args.rounds else args.num_prompts for c in args.concurrency
+        ]
+        prompts = make_prompts(max(level_sizes), args.input_len, args.shared_prefix_len, args.seed)
         warmup = await send_request(client, args.model, prompts[0], 2, args.temperature)
         if not warmup.ok:
             raise RuntimeError(f"warm-up request failed: {warmup.error}")
         levels = []
-        total = args.num_prompts * len(args.concurrency)
-        with tqdm(total=total, desc="bench serve", unit="req") as progress:
-            for concurrency in args.concurrency:
+        with tqdm(total=sum(level_sizes), desc="bench serve", unit="req") as progress:
+            for concurrency, size in zip(args.concurrency, level_sizes, strict=True):
                 progress.set_postfix_str(f"concurrency {concurrency}")
-                results, duration = await run_level(client, args, prompts, concurrency, progress)
+                results, duration = await run_level(
+                    client, args, prompts[:size], concurrency, progress
+                )
                 levels.append(summarize(concurrency, results, duration))
     baseline = levels[0].output_throughput
     for level in levels:
@@ -244,8 +250,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": "llmpool bench serve " + shlex.join(args.argv),
         "url": args.url,
         "model": args.model,
+        "host": {"cpus": os.cpu_count(), "load_average_1_5_15m": os.getloadavg()},
         "workload": {
             "num_prompts": args.num_prompts,
+            "rounds": args.rounds,
             "input_len": args.input_len,
             "output_len": args.output_len,
             "shared_prefix_len": args.shared_prefix_len,
@@ -272,6 +280,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--num-prompts", type=int, default=64, help="requests per concurrency level"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="instead of --num-prompts: rounds x concurrency requests",
+    )
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens")
     parser.add_argument(
@@ -290,20 +304,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--name", default="serve", help="file name stem of the JSON, markdown and PNG"
     )
     args = parser.parse_args(argv)
-    if (
-        min(args.concurrency) < 1
-        or args.num_prompts < 1
-        or args.input_len < 1
-        or args.output_len < 1
-    ):
-        parser.error("concurrency, num-prompts, input-len and output-len must be positive")
+    sizes = (
+        min(args.concurrency),
+        args.num_prompts,
+        args.rounds or 1,
+        args.input_len,
+        args.output_len,
+    )
+    if min(sizes) < 1:
+        parser.error("concurrency, num-prompts, rounds, input-len and output-len must be positive")
     args.argv = argv
     return args
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    report = asyncio.run(run(args))
+    try:
+        report = asyncio.run(run(args))
+    except (httpx.HTTPError, RuntimeError) as error:
+        print(f"llmpool bench serve: {args.url}: {error}", file=sys.stderr)
+        return 1
     args.output_dir.mkdir(parents=True, exist_ok=True)
     stem = args.output_dir / args.name
     levels = [LevelSummary(**level) for level in report["levels"]]

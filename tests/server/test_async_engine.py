@@ -1,0 +1,152 @@
+"""AsyncEngine over a scripted engine core: fan-out, admission, aborts and a failing loop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from llmpool.engine.engine_core import EngineStats
+from llmpool.engine.outputs import RequestDelta
+from llmpool.engine.request import RequestStatus
+from llmpool.engine.sampling_params import SamplingParams
+from llmpool.engine.server.async_engine import (
+    AsyncEngine,
+    ChildRequest,
+    EngineStoppedError,
+    QueueFullError,
+)
+
+
+@dataclass
+class _Scripted:
+    remaining: int
+    status: RequestStatus = RequestStatus.WAITING
+
+
+class ScriptedCore:
+    """Runs ``max_num_seqs`` requests a step; each emits one token per step until max_tokens."""
+
+    def __init__(self, max_num_seqs: int = 2, fail_on_step: int | None = None) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.fail_on_step = fail_on_step
+        self.steps = 0
+        self.scheduler = SimpleNamespace(requests={})
+        self.aborted: list[str] = []
+
+    def add_request(
+        self, request_id, prompt_token_ids, sampling_params, arrival_time=None, priority=0
+    ):
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        self.scheduler.requests[request_id] = _Scripted(sampling_params.max_tokens)
+
+    def abort_requests(self, request_ids):
+        for request_id in request_ids:
+            if self.scheduler.requests.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.scheduler.requests)
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.fail_on_step:
+            raise RuntimeError("scripted failure")
+        deltas = []
+        for request_id, request in list(self.scheduler.requests.items())[: self.max_num_seqs]:
+            request.status = RequestStatus.RUNNING
+            request.remaining -= 1
+            finished = request.remaining == 0
+            if finished:
+                del self.scheduler.requests[request_id]
+            deltas.append(
+                RequestDelta(
+                    request_id,
+                    [7],
+                    "x",
+                    finished=finished,
+                    finish_reason="length" if finished else None,
+                )
+            )
+        return deltas
+
+    def stats(self):
+        running = min(len(self.scheduler.requests), self.max_num_seqs)
+        waiting = len(self.scheduler.requests) - running
+        return EngineStats(
+            num_running=running, num_waiting=waiting, kv_cache_usage=0.0, num_free_blocks=1,
+            num_total_blocks=1, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
+        )  # fmt: skip
+
+
+def children(count: int, max_tokens: int = 3) -> list[ChildRequest]:
+    return [ChildRequest([1, 2, 3], SamplingParams(max_tokens=max_tokens)) for _ in range(count)]
+
+
+async def started(core: ScriptedCore, max_queue: int = 100) -> AsyncEngine:
+    engine = AsyncEngine(core, max_queue)  # type: ignore[arg-type]
+    engine.start()
+    return engine
+
+
+async def test_children_are_merged_into_one_stream() -> None:
+    engine = await started(ScriptedCore(max_num_seqs=4))
+    stream = await engine.submit("r", children(3))
+    received = [(index, delta.finished) async for index, delta in stream]
+    assert sorted(index for index, _ in received) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [finished for _, finished in received].count(True) == 3
+    await engine.shutdown()
+
+
+async def test_engine_errors_on_submit_reach_the_caller_and_leave_nothing_behind() -> None:
+    core = ScriptedCore()
+    engine = await started(core)
+    with pytest.raises(ValueError, match="empty"):
+        await engine.submit("r", [*children(1), ChildRequest([], SamplingParams())])
+    assert core.scheduler.requests == {} and engine.num_unscheduled == 0
+    await engine.shutdown()
+
+
+async def test_requests_beyond_max_queue_are_refused() -> None:
+    """One runs, two wait (the queue is full), the fourth is refused."""
+    engine = await started(ScriptedCore(max_num_seqs=1), max_queue=2)
+    streams = [await engine.submit("running", children(1, max_tokens=500))]
+    while engine.num_unscheduled:
+        await asyncio.sleep(0.01)
+    streams += [await engine.submit(f"waiting-{i}", children(1)) for i in range(2)]
+    with pytest.raises(QueueFullError):
+        await engine.submit("refused", children(1))
+    for stream in streams:
+        stream.abort()
+    assert engine.num_unscheduled == 0
+    await engine.shutdown()
+
+
+async def test_abort_reaches_the_engine_and_stops_the_stream() -> None:
+    core = ScriptedCore()
+    engine = await started(core)
+    stream = await engine.submit("r", children(2, max_tokens=1000))
+    async for _ in stream:
+        break
+    stream.abort()
+    for _ in range(50):
+        if not core.scheduler.requests:
+            break
+        await asyncio.sleep(0.02)
+    assert sorted(core.aborted) == ["r-0", "r-1"]
+    await engine.shutdown()
+
+
+async def test_a_failing_engine_loop_fails_its_requests_and_stops() -> None:
+    engine = await started(ScriptedCore(fail_on_step=2))
+    stream = await engine.submit("r", children(1, max_tokens=10))
+    with pytest.raises(EngineStoppedError, match="scripted failure"):
+        async for _ in stream:
+            pass
+    assert engine.error is not None and not engine.running
+    with pytest.raises(EngineStoppedError):
+        await engine.submit("again", children(1))
+    await engine.shutdown()
