@@ -14,6 +14,9 @@ CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, DRIFTED)
 
 # Conditions whose True status means something is wrong.
 ABNORMAL_WHEN_TRUE = frozenset({DEGRADED, DRIFTED})
+# Why a pool may stop being Ready because someone asked for it (a rollout, a new spec, zero
+# replicas): a Normal Event, not a Warning.
+PLANNED_NOT_READY_REASONS = frozenset({"RollingOut", "Reconciling", "ScaledToZero"})
 
 Status = Literal["True", "False", "Unknown"]
 
@@ -72,7 +75,7 @@ def transition_events(
         before = old_status.get(condition["type"])
         if before == condition["status"]:
             continue
-        warning = _is_warning(condition["type"], condition["status"], before)
+        warning = _is_warning(condition["type"], condition["status"], condition["reason"], before)
         if before is None and not warning:
             continue  # a new pool's first, unremarkable conditions
         events.append(
@@ -85,11 +88,12 @@ def transition_events(
     return events
 
 
-def _is_warning(condition_type: str, status: str, before: str | None) -> bool:
-    """Degraded or Drifted turning True, or a pool losing readiness it had."""
+def _is_warning(condition_type: str, status: str, reason: str, before: str | None) -> bool:
+    """Degraded or Drifted turning True, or a pool losing readiness it had for no planned reason."""
     if condition_type in ABNORMAL_WHEN_TRUE:
         return status == "True"
-    return condition_type == READY and before == "True"
+    planned = reason in PLANNED_NOT_READY_REASONS
+    return condition_type == READY and before == "True" and not planned
 
 
 def find(conditions: Sequence[Mapping[str, Any]], condition_type: str) -> Mapping[str, Any] | None:

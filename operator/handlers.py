@@ -27,6 +27,8 @@ from llmpool.operator.sizing import size_pool
 from llmpool.operator.spec import PoolSpec
 from llmpool.operator.views import DeploymentView, PodView, deployment_view, pod_view
 
+logger = logging.getLogger(__name__)
+
 STATUS_INTERVAL_SECONDS = 2.0
 CHAT_TEMPLATE_RETRY_SECONDS = 15
 APPLY_RETRY_SECONDS = 10
@@ -227,8 +229,9 @@ async def _check_drift(
 
     report = await fingerprints.fetch_fingerprints(pods)
     for pod, why in report.unreachable.items():
+        # Logged, not an Event: a pod on its way down would raise one every interval.
         metrics.FINGERPRINT_ERRORS.labels(namespace, name).inc()
-        kopf.warn(body, reason="FingerprintFailed", message=f"pod {pod}: {why}")
+        logger.warning("%s/%s: GET /fingerprint of pod %s failed: %s", namespace, name, pod, why)
     entries = drift.classify_drift(report.fingerprints, expected, digest)
 
     already_reported = {entry.get("pod") for entry in status.get("drift") or []}

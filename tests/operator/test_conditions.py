@@ -95,3 +95,10 @@ def test_a_new_pool_raises_no_events_until_something_is_wrong():
     )
     [degraded] = transition_events([], conditions(Degraded="True"))
     assert degraded.type == "Warning"
+
+
+def test_a_rollout_is_not_a_warning():
+    before = conditions(Ready="True")
+    after = [{**conditions(Ready="False")[0], "reason": "RollingOut"}]
+    [event] = transition_events(before, after)
+    assert event.type == "Normal" and event.reason == "RollingOut"

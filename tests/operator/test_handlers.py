@@ -1,0 +1,29 @@
+"""The little logic kept in the kopf handlers: when a fingerprint check is due."""
+
+from __future__ import annotations
+
+import kopf
+
+from llmpool.operator.handlers import _drift_check_due
+from llmpool.operator.spec import PoolSpec
+from llmpool.operator.views import pod_view
+
+
+def test_drift_check_timing(chat_spec, make_pod, monkeypatch):
+    pool = PoolSpec.from_dict({**chat_spec, "drift": {"policy": "Report", "intervalSeconds": 30}})
+    memo = kopf.Memo()
+    now = [1000.0]
+    monkeypatch.setattr("llmpool.operator.handlers.time.monotonic", lambda: now[0])
+    pods = [pod_view(make_pod("a")), pod_view(make_pod("b"))]
+
+    assert _drift_check_due(memo, pool, pods)  # first look
+    now[0] += 5
+    assert not _drift_check_due(memo, pool, pods)  # nothing changed, interval not over
+    restarted = [pods[0], pod_view(make_pod("b", restart_count=1))]
+    assert _drift_check_due(memo, pool, restarted)  # a pod restarted: check now
+    now[0] += 10
+    assert not _drift_check_due(memo, pool, restarted)
+    now[0] += 30
+    assert _drift_check_due(memo, pool, restarted)  # the interval is over
+    unready = [restarted[0], pod_view(make_pod("b", restart_count=1, ready=False))]
+    assert _drift_check_due(memo, pool, unready)
