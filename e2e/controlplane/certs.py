@@ -53,14 +53,18 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def _rsa_key(path: Path) -> None:
-    _openssl("genrsa", "-out", str(path), "2048", cwd=path.parent)
+def _private_key(path: Path) -> None:
+    """A P-256 key: Kubernetes takes ECDSA everywhere, and it is made far faster than RSA."""
+    _openssl(
+        "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(path),
+        cwd=path.parent,
+    )  # fmt: skip
     path.chmod(0o600)
 
 
 def create_ca(pki: Pki) -> None:
     pki.dir.mkdir(parents=True, exist_ok=True)
-    _rsa_key(pki.ca_key)
+    _private_key(pki.ca_key)
     _openssl(
         "req", "-x509", "-new", "-key", str(pki.ca_key), "-days", "3650",
         "-subj", "/CN=llmpool-e2e-ca", "-out", str(pki.ca_crt), cwd=pki.dir,
@@ -68,8 +72,8 @@ def create_ca(pki: Pki) -> None:
 
 
 def create_service_account_keys(pki: Pki) -> None:
-    _rsa_key(pki.sa_key)
-    _openssl("rsa", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub), cwd=pki.dir)
+    _private_key(pki.sa_key)
+    _openssl("pkey", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub), cwd=pki.dir)
 
 
 def issue(
@@ -96,7 +100,7 @@ def issue(
     ext_file = pki.dir / f"{name}.ext"
     ext_file.write_text("\n".join(ext) + "\n")
     csr = pki.dir / f"{name}.csr"
-    _rsa_key(pki.key(name))
+    _private_key(pki.key(name))
     _openssl(
         "req", "-new", "-key", str(pki.key(name)), "-subj", subject, "-out", str(csr), cwd=pki.dir
     )

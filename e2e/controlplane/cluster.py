@@ -126,6 +126,7 @@ class Cluster:
             bin_dirs=[str(d) for d in binaries.bin_dirs],
         )
         self._make_credentials(rec)
+        _log(f"credentials ready ({time.monotonic() - started:.1f}s)")
         deadline = time.monotonic() + timeout
         rec.pids["etcd"] = self._spawn("etcd", self._etcd_argv(binaries, rec))
         rec.save(self._record_path)
@@ -287,6 +288,7 @@ class Cluster:
 
     # ------------------------------------------------------------- readiness
     def _wait(self, what: str, ready: Callable[[], bool], deadline: float) -> None:
+        started = time.monotonic()
         while not ready():
             rec = self.record()
             dead = [
@@ -299,7 +301,7 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out waiting for {what}; see {self.logs_dir}")
             time.sleep(0.25)
-        _log(f"{what} ready")
+        _log(f"{what} ready ({time.monotonic() - started:.1f}s)")
 
     def _ssl_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.pki.ca_crt))
