@@ -8,13 +8,18 @@ before Triton is imported, because Triton reads it when a kernel is decorated.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import os
 import sys
 
 DEVICE = os.environ.get("LLMPOOL_KERNEL_TEST_DEVICE", "cpu")
-if DEVICE == "cpu":
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    # triton.language's own helpers (tl.sum, tl.max...) are decorated when triton is imported.
+    if "triton" in sys.modules:
+        raise RuntimeError(
+            "triton was imported before this module could set TRITON_INTERPRET=1; "
+            "set TRITON_INTERPRET=1 in the environment (or in tests/conftest.py)"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
@@ -26,17 +31,12 @@ pytest.importorskip("triton", reason="triton is not installed; the CUDA kernels 
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("LLMPOOL_KERNEL_TEST_DEVICE=cuda but no GPU is visible", allow_module_level=True)
 
-# A test module collected earlier may have imported the kernels before the interpreter was
-# switched on; reloading re-decorates them (function objects look kernels up at call time).
-for _name in sorted(n for n in sys.modules if n.startswith("llmpool.engine.kernels.")):
-    importlib.reload(sys.modules[_name])
-
 from llmpool.engine.attention import TORCH, AttentionMetadata, select_backend  # noqa: E402
 from llmpool.engine.attention.triton_backend import TRITON  # noqa: E402
 
+DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get
 # fp32 must agree to rounding-order noise; fp16 rounds the softmax probabilities to fp16
 # before the P@V product (as on tensor cores), hence the looser bound.
-DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get
 ATTENTION_TOL = {
     torch.float32: {"atol": 2e-5, "rtol": 1e-5},
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},

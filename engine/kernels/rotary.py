@@ -23,6 +23,7 @@ def _rotate_heads(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
 ):
+    """Rotate every head of one token: ``(a, b) -> (a cos - b sin, b cos + a sin)`` by halves."""
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < NUM_HEADS) & (dims < HALF)
