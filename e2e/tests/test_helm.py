@@ -35,6 +35,10 @@ INSTANCE_LABEL = f"app.kubernetes.io/instance={RELEASE}"
 POOL_LABEL = "llmpool.dev/pool"
 HELM_TIMEOUT_SECONDS = 300
 ENGINE_START_SECONDS = 600  # two engines loading the model at once on a busy machine
+# The engine image the operator gives pools without spec.image. It is the operator's own
+# default, so that an `llmpool operator -A` started by another test on a shared cluster (see
+# test_operator.py) renders the same Deployments and the two never roll each other's pods.
+ENGINE_IMAGE = "llmpool:latest"
 
 # The examples as written, made cheap for one busy machine: one replica each and small KV
 # caches. Each still has its own maxModelLen and priorityClass.
@@ -174,7 +178,9 @@ def test_install_serve_upgrade_uninstall(
         cluster,
         "install",
         RELEASE,
-        *install_args(namespace, f"watchNamespaces={{{pools_namespace}}}"),
+        *install_args(
+            namespace, f"watchNamespaces={{{pools_namespace}}}", f"engineImage={ENGINE_IMAGE}"
+        ),
     )
     try:
         # The operator is a pod of the chart's Deployment, under the chart's ServiceAccount.
@@ -200,11 +206,14 @@ def test_install_serve_upgrade_uninstall(
                 for p in cluster.get("pods", "-n", pools_namespace, "-l", f"{POOL_LABEL}={name}")[
                     "items"
                 ]
-                if pod_ready(p)
+                if pod_ready(p) and not p["metadata"].get("deletionTimestamp")
             ]
             served_name = pool["spec"]["model"]["servedName"]
             reply = chat_on_pod_ip(engine["status"]["podIP"], served_name)
             assert reply.split()[0] == served_name, reply
+        # Everything above went through the chart's RBAC: nothing was refused.
+        log = cluster.kubectl("logs", "-n", namespace, f"deployment/{FULLNAME}")
+        assert "Forbidden" not in log, log
         printed = cluster.kubectl("get", "llmp", "-n", pools_namespace)
         assert "smollm2-chat" in printed and "smollm2-batch" in printed, printed
 
