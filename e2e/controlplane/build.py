@@ -14,13 +14,13 @@ same release, read from the upstream go.mod so the list never goes stale.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,29 +86,17 @@ def _download(cwd: Path, what: str) -> None:
         raise BuildError(f"{hint}{err}") from None
 
 
-def _proxy_url() -> str:
-    proxy = (
-        os.environ.get("GOPROXY")
-        or subprocess.run(
-            ["go", "env", "GOPROXY"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    )
-    for entry in re.split(r"[,|]", proxy):
-        if entry.startswith("http"):
-            return entry.rstrip("/")
-    raise BuildError(f"no HTTP module proxy in GOPROXY={proxy!r}")
-
-
 def staging_modules(kube_version: str) -> list[str]:
     """The k8s.io staging modules that k8s.io/kubernetes@kube_version replaces locally."""
-    url = f"{_proxy_url()}/k8s.io/kubernetes/@v/{kube_version}.mod"
-    try:
-        with urllib.request.urlopen(url, timeout=60) as resp:
-            gomod = resp.read().decode()
-    except OSError as err:
-        raise BuildError(
-            f"cannot download k8s.io/kubernetes@{kube_version} go.mod: {err}"
-        ) from None
+    module = f"k8s.io/kubernetes@{kube_version}"
+    proc = subprocess.run(
+        ["go", "mod", "download", "-json", module],
+        env=_go_env(), capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    info = json.loads(proc.stdout or "{}")
+    if proc.returncode != 0 or "GoMod" not in info:
+        raise BuildError(f"cannot download {module}: {info.get('Error') or proc.stderr.strip()}")
+    gomod = Path(info["GoMod"]).read_text()
     return re.findall(r"^\s*(k8s\.io/[\w.-]+) => \./staging/", gomod, re.MULTILINE)
 
 
