@@ -6,10 +6,13 @@ Needs the helm binary: on PATH, or where the e2e build puts it
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import shutil
 import subprocess
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,14 @@ def set_args(values: dict[str, Any]) -> list[str]:
 
 
 def render(**values: Any) -> list[dict[str, Any]]:
-    out = helm("template", RELEASE, str(CHART), "-n", NAMESPACE, *set_args(values)).stdout
+    """`helm template` with these values, parsed (a fresh copy: tests may change it)."""
+    return copy.deepcopy(_render(json.dumps(values, sort_keys=True)))
+
+
+@functools.cache
+def _render(values_json: str) -> list[dict[str, Any]]:
+    args = set_args(json.loads(values_json))
+    out = helm("template", RELEASE, str(CHART), "-n", NAMESPACE, *args).stdout
     return [document for document in yaml.safe_load_all(out) if document]
 
 
@@ -300,6 +310,15 @@ def test_notes_say_what_to_do_next(tmp_path: Path) -> None:
     assert "kubectl get llmp" in notes
     assert "/v1/chat/completions" in notes
     assert "every namespace" in render_notes(tmp_path / "all")
+
+
+def test_the_pool_in_the_notes_pins_what_the_examples_pin(tmp_path: Path) -> None:
+    notes = render_notes(tmp_path)
+    manifest = textwrap.dedent(notes.split("<<EOF\n", 1)[1].split("EOF", 1)[0])
+    pool = yaml.safe_load(manifest)
+    assert pool["kind"] == "LLMPool"
+    example = yaml.safe_load((ROOT / "examples" / "smollm2-batch.yaml").read_text())
+    assert pool["spec"]["model"] == {**example["spec"]["model"], "servedName": "smollm2"}
 
 
 BAD_VALUES = {
