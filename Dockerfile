@@ -16,15 +16,15 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 # --------------------------------------------------------------------------------------------
-# base: Python >= 3.11 with venv. The python images have it; CUDA (Ubuntu 24.04) images get
-# the distribution's python3 (3.12).
+# base: Python >= 3.11 with venv and ensurepip. The python images have them; CUDA images
+# (Ubuntu 24.04) get the distribution's python3 (3.12) and python3-venv.
 FROM ${BASE_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     DEBIAN_FRONTEND=noninteractive
-RUN if ! python3 -c 'import sys, venv; assert sys.version_info >= (3, 11)' 2>/dev/null; then \
+RUN if ! python3 -c 'import sys, venv, ensurepip; assert sys.version_info >= (3, 11)' 2>/dev/null; then \
         apt-get update \
         && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
         && rm -rf /var/lib/apt/lists/*; \
