@@ -210,7 +210,9 @@ class OpenAIServer:
                 child_params = params
                 if params.seed is not None and parsed.n > 1:
                     child_params = replace(params, seed=params.seed + index)
-                children.append(ChildRequest(prompt, child_params))
+                children.append(
+                    ChildRequest(prompt, child_params, parsed.priority, parsed.cache_salt)
+                )
         return children
 
     def _max_tokens(self, parsed: GenerationRequest, num_prompt_tokens: int) -> int | None:

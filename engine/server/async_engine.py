@@ -42,6 +42,8 @@ class ChildRequest:
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    priority: int | None = None  # None: the engine's priority class
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -95,10 +97,6 @@ class RequestStream:
             if delta.finished:
                 self._unfinished.discard(index)
             yield index, delta
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
 
     def abort(self) -> None:
         if self._unfinished:
@@ -259,7 +257,12 @@ class AsyncEngine:
         try:
             for child_id, child in zip(command.child_ids, command.children, strict=True):
                 self.core.add_request(
-                    child_id, child.prompt_token_ids, child.sampling_params, command.arrival_time
+                    child_id,
+                    child.prompt_token_ids,
+                    child.sampling_params,
+                    command.arrival_time,
+                    priority=child.priority,
+                    cache_salt=child.cache_salt,
                 )
                 self._timings[child_id] = _RequestTiming(command.arrival_time)
                 added.append(child_id)

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.sampling_params import SamplingParams
 
 MAX_N = 128  # choices per request; each one is a sequence in the engine
@@ -128,6 +129,8 @@ class GenerationRequest:
     max_tokens: int | None  # as the client asked; None: not given
     default_max_tokens: int | None  # when not given; None: until EOS or the context is full
     logprobs: int | None  # top alternatives per token; None: no logprobs
+    priority: int | None = None  # None: the engine's --priority-class
+    cache_salt: str | None = None  # keeps this request's prefix-cache blocks apart
     sampling: dict[str, Any] = field(default_factory=dict)
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
@@ -196,6 +199,8 @@ def _common(
     }
     return {
         "model": fields.get("model", (str,)),
+        "priority": _priority(fields.get("priority", (int, str))),
+        "cache_salt": fields.get("cache_salt", (str,)),
         "n": n,
         "stream": fields.get("stream", (bool,), False),
         "include_usage": include_usage,
@@ -203,6 +208,18 @@ def _common(
         "default_max_tokens": default_max_tokens,
         "sampling": sampling,
     }
+
+
+def _priority(value: int | str | None) -> int | None:
+    """vLLM's integer priority (lower runs first), or a priority class by name."""
+    if isinstance(value, str):
+        if value not in PRIORITY_CLASSES:
+            raise bad_request(
+                f"priority must be an integer or one of {', '.join(PRIORITY_CLASSES)}, got {value!r}",
+                param="priority",
+            )
+        return PRIORITY_CLASSES[value]
+    return value
 
 
 def _logprobs_count(value: int | None, param: str) -> int | None:

@@ -21,6 +21,7 @@ import random
 import shlex
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ class LevelSummary:
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
+    errors: dict[str, int]  # failed requests by error message
 
 
 def make_prompts(num: int, input_len: int, shared_prefix_len: int, seed: int) -> list[list[int]]:
@@ -173,6 +175,7 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float) -
         tpot_ms=percentiles([t for r in done if (t := r.tpot) is not None]),
         itl_ms=percentiles([gap for r in done for gap in r.itls]),
         e2e_ms=percentiles([r.e2e for r in done]),
+        errors=dict(Counter(r.error or "no tokens" for r in results if not r.ok)),
     )
 
 
@@ -221,7 +224,9 @@ def plot(levels: list[LevelSummary], path: Path, title: str) -> None:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
+    # Idle connections expire before the server's keep-alive timeout (uvicorn: 5 s), or a reused
+    # one can be closed under a request that was just sent on it.
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 8, keepalive_expiry=1.0)
     async with httpx.AsyncClient(
         base_url=args.url, headers=headers, timeout=None, limits=limits
     ) as client:
@@ -231,16 +236,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         level_sizes = [
             args.rounds * c if args.rounds else args.num_prompts for c in args.concurrency
         ]
-        prompts = make_prompts(max(level_sizes), args.input_len, args.shared_prefix_len, args.seed)
-        warmup = await send_request(client, args.model, prompts[0], 2, args.temperature)
+        # Fresh prompts for the warm-up and for every level: a prefix cache must not carry
+        # one level's prompts into the next (only --shared-prefix-len is meant to be shared).
+        prompts = make_prompts(
+            1 + sum(level_sizes), args.input_len, args.shared_prefix_len, args.seed
+        )
+        warmup = await send_request(client, args.model, prompts.pop(), 2, args.temperature)
         if not warmup.ok:
             raise RuntimeError(f"warm-up request failed: {warmup.error}")
         levels = []
         with tqdm(total=sum(level_sizes), desc="bench serve", unit="req") as progress:
             for concurrency, size in zip(args.concurrency, level_sizes, strict=True):
                 progress.set_postfix_str(f"concurrency {concurrency}")
+                level_prompts, prompts = prompts[:size], prompts[size:]
                 results, duration = await run_level(
-                    client, args, prompts[:size], concurrency, progress
+                    client, args, level_prompts, concurrency, progress
                 )
                 levels.append(summarize(concurrency, results, duration))
     baseline = levels[0].output_throughput

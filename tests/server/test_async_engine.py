@@ -36,9 +36,7 @@ class ScriptedCore:
         self.scheduler = SimpleNamespace(requests={})
         self.aborted: list[str] = []
 
-    def add_request(
-        self, request_id, prompt_token_ids, sampling_params, arrival_time=None, priority=0
-    ):
+    def add_request(self, request_id, prompt_token_ids, sampling_params, arrival_time, **options):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         self.scheduler.requests[request_id] = _Scripted(sampling_params.max_tokens)

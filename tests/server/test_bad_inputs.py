@@ -72,6 +72,8 @@ BAD_BODIES = {
         {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         "messages[0].content",
     ),
+    "unknown priority class": ("/v1/completions", {**COMPLETION, "priority": "vip"}, "priority"),
+    "cache_salt number": ("/v1/completions", {**COMPLETION, "cache_salt": 5}, "cache_salt"),
     "top_logprobs without logprobs": ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
 }  # fmt: skip
 

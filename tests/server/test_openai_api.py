@@ -109,6 +109,15 @@ def test_n_choices_with_seed(client: openai.OpenAI) -> None:
     assert sorted(c.index for c in chat.choices) == [0, 1]
 
 
+def test_priority_and_cache_salt_are_accepted(client: openai.OpenAI) -> None:
+    for priority in ("batch", 0):
+        result = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+            extra_body={"priority": priority, "cache_salt": "tenant-a"},
+        )  # fmt: skip
+        assert result.usage.completion_tokens == 2
+
+
 def test_stop_string(client: openai.OpenAI) -> None:
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
     text = full.choices[0].text
