@@ -78,6 +78,9 @@ def operator(
     process = OperatorProcess(cluster, log_path, "-A", "--standalone")
     process.start()
     yield process
+    # Pools carry the operator's finalizer: remove them while the operator still runs, or the
+    # test namespaces would hang in Terminating.
+    cluster.run("kubectl", "delete", "llmpools", "--all", "-A", "--timeout=120s", check=False)
     process.stop()
     print(f"operator log: {process.log_path}")
 
