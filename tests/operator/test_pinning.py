@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmpool import pinning
-from llmpool.operator.engine_args import CHAT_TEMPLATE_PATH, engine_args
+from llmpool.operator.engine_args import CHAT_TEMPLATE_PATH, engine_args, quantity_bytes
 from llmpool.operator.spec import PoolSpec
 
 
@@ -192,3 +192,15 @@ def test_pinning_is_stdlib_only():
         elif isinstance(node, ast.ImportFrom) and node.module:
             modules.add(node.module.split(".")[0])
     assert modules <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_the_engine_accepts_the_examples_arguments(chat_spec, batch_spec, repo_root):
+    """`llmpool serve` must start from what the operator renders for both example pools."""
+    if not (repo_root / "engine" / "server" / "cli.py").exists():
+        pytest.skip("llmpool.engine.server.cli is not there yet")
+    cli = importlib.import_module("llmpool.engine.server.cli")
+    for spec in (chat_spec, batch_spec):
+        args = cli.build_parser().parse_args(engine_args(PoolSpec.from_dict(spec)))
+        config = cli.engine_config(args)
+        assert config.max_model_len == spec["maxModelLen"]
+        assert config.kv_cache_memory == quantity_bytes(spec["engine"]["kvCacheMemory"])
