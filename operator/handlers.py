@@ -123,6 +123,14 @@ async def apply_children(
     return pinned, digest
 
 
+def replica_change(diff: kopf.Diff) -> tuple[int, int] | None:
+    """``(old, new)`` when an update changed spec.replicas (e.g. `kubectl scale llmpool`)."""
+    for operation, field, old, new in diff:
+        if operation == "change" and tuple(field) == ("spec", "replicas"):
+            return old, new
+    return None
+
+
 def _changed_pinned_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     return [key for key in pinning.PINNED_KEYS if old.get(key) != new.get(key)]
 
@@ -169,10 +177,15 @@ async def reconcile(
     status: kopf.Status,
     patch: kopf.Patch,
     memo: kopf.Memo,
+    diff: kopf.Diff,
     **_: Any,
 ) -> None:
     try:
         patch.status.update(await _reconcile(body, spec, status, memo))
+        change = replica_change(diff)
+        if change is not None:
+            message = f"replicas {change[0]} -> {change[1]} (pods keep their template)"
+            kopf.event(body, type="Normal", reason="Scaled", message=message)
     except ChatTemplateMissing as error:
         kopf.warn(body, reason="ChatTemplateNotFound", message=str(error))
         raise kopf.TemporaryError(str(error), delay=CHAT_TEMPLATE_RETRY_SECONDS) from error

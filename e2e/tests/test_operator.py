@@ -254,6 +254,8 @@ def test_scale_does_not_roll_and_a_pinned_change_does(
         "items"
     ]
     assert len(replica_sets) == 1, "scaling created a new ReplicaSet"
+    scaled = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "reason=Scaled")
+    assert "replicas 2 -> 3" in scaled
 
     cluster.kubectl(
         "patch",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import kopf
 
-from llmpool.operator.handlers import _drift_check_due
+from llmpool.operator.handlers import _drift_check_due, replica_change
 from llmpool.operator.spec import PoolSpec
 from llmpool.operator.views import pod_view
 
@@ -27,3 +27,11 @@ def test_drift_check_timing(chat_spec, make_pod, monkeypatch):
     assert _drift_check_due(memo, pool, restarted)  # the interval is over
     unready = [restarted[0], pod_view(make_pod("b", restart_count=1, ready=False))]
     assert _drift_check_due(memo, pool, unready)
+
+
+def test_replica_change():
+    scaled = kopf.Diff([kopf.DiffItem(kopf.DiffOperation.CHANGE, ("spec", "replicas"), 2, 3)])
+    assert replica_change(scaled) == (2, 3)
+    other = kopf.Diff([kopf.DiffItem(kopf.DiffOperation.CHANGE, ("spec", "maxModelLen"), 1, 2)])
+    assert replica_change(other) is None
+    assert replica_change(kopf.Diff([])) is None
