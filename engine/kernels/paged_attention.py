@@ -26,7 +26,9 @@ _MIN_KEYS_PER_SPLIT = 512
 _MAX_SPLITS = 32
 
 
-@triton.jit
+# Batch-dependent integers are not specialized on (Triton would compile a variant for the
+# value 1), so a change of batch never stalls a serving step on a compile.
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _paged_attention_kernel(
     query_ptr,
     key_cache_ptr,
@@ -61,19 +63,18 @@ def _paged_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     MMA_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: ``BLOCK_Q`` query tokens of one sequence x the query heads of one KV head,
-    over one of ``NUM_SPLITS`` stretches of the sequence's context.
+    over one split (grid axis 2) of the sequence's context.
 
     Rows of the tile are (token, head-in-group) pairs, so every K/V row is loaded once for
     the whole GQA group. Softmax is computed online (flash attention) over ``BLOCK_N`` keys
     a step, each key's cache block looked up in the block table, up to the last position
-    any row of the tile may see. With one split the
-    result is final; with more, each split leaves its normalized output and log-sum-exp for
-    ``_combine_splits_kernel``.
+    any row of the tile may see. Without ``SPLIT`` the result is final; with it, each split
+    leaves its normalized output and log-sum-exp for ``_combine_splits_kernel``.
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -108,7 +109,7 @@ def _paged_attention_kernel(
     last_token = tl.minimum(tile_start + BLOCK_Q, query_len) - 1
     num_keys = context_before + last_token + 1
     num_steps = tl.cdiv(num_keys, BLOCK_N)
-    steps_per_split = tl.cdiv(num_steps, NUM_SPLITS)
+    steps_per_split = tl.cdiv(num_steps, tl.num_programs(2))
     first_step = split * steps_per_split
     end_step = tl.minimum(first_step + steps_per_split, num_steps)
 
@@ -147,7 +148,7 @@ def _paged_attention_kernel(
         )
         m = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / denom[:, None]
         o_offsets = (query_begin + token)[:, None].to(tl.int64) * o_stride_t
         o_offsets += head[:, None] * o_stride_h + dims[None, :]
@@ -165,16 +166,16 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _combine_splits_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
     num_tokens,
     num_heads,
+    num_splits,
     o_stride_t,
     o_stride_h,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -183,7 +184,7 @@ def _combine_splits_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < NUM_SPLITS
+    split_valid = splits < num_splits
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
     partial_row = (splits * num_tokens + token) * num_heads + head
@@ -332,7 +333,7 @@ def paged_attention(
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         BLOCK_N=_KEYS_PER_STEP_TALL if block_q * queries_per_kv_pad > 32 else _KEYS_PER_STEP,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         MMA_DTYPE=matmul_dtype(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
     )
@@ -343,9 +344,9 @@ def paged_attention(
             out,
             num_tokens,
             num_heads,
+            num_splits,
             out.stride(0),
             out.stride(1),
-            NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
