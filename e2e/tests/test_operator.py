@@ -7,6 +7,7 @@ skipped until `llmpool serve` exists.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import socket
@@ -29,6 +30,7 @@ INTERACTIVE = ROOT / "examples" / "smollm2-interactive.yaml"
 DIGEST_ANNOTATION = "llmpool.dev/pinned-digest"
 POOL_LABEL = "llmpool.dev/pool"
 ENGINE_START_SECONDS = 600  # first start converts the built-in GGUF model
+DRIFT_INTERVAL_SECONDS = 5
 
 
 def free_port() -> int:
@@ -469,7 +471,7 @@ def test_drift_is_detected_reported_and_recreated(
 ) -> None:
     documents = example()
     pool = documents[1]
-    pool["spec"]["drift"] = {"policy": "Report", "intervalSeconds": 5}
+    pool["spec"]["drift"] = {"policy": "Report", "intervalSeconds": DRIFT_INTERVAL_SECONDS}
     cluster.apply(*documents, namespace=namespace)
     wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
 
@@ -485,16 +487,30 @@ def test_drift_is_detected_reported_and_recreated(
         "-p",
         json.dumps(patch),
     )
-    victim = engine_pods(cluster, namespace, "smollm2-chat")[0]["metadata"]["name"]
+    before = {p["metadata"]["name"] for p in engine_pods(cluster, namespace, "smollm2-chat")}
+    victim = sorted(before)[0]
     cluster.kubectl("delete", "pod", victim, "-n", namespace)
+
+    def replacement_ready() -> str | None:
+        pods = engine_pods(cluster, namespace, "smollm2-chat")
+        new = [p for p in pods if p["metadata"]["name"] not in before and pod_ready(p)]
+        return new[0]["metadata"]["name"] if new else None
+
+    replacement = wait_for("the replacement pod", replacement_ready, ENGINE_START_SECONDS)
 
     def drifted() -> dict[str, Any] | None:
         status = pool_status(cluster, namespace, "smollm2-chat")
         return status if condition(status, "Drifted").get("status") == "True" else None
 
-    status = wait_for("Drifted", drifted, ENGINE_START_SECONDS, interval=1)
+    # Within two drift intervals of the replica turning ready (plus polling slack).
+    status = wait_for("Drifted", drifted, 2 * DRIFT_INTERVAL_SECONDS + 3, interval=0.5)
     [entry] = status["drift"]
-    assert entry["field"] == "chatTemplateSha256" and entry["pod"] != victim
+    assert entry == {
+        "pod": replacement,
+        "field": "chatTemplateSha256",
+        "expected": status["pinned"]["chatTemplateSha256"],
+        "actual": hashlib.sha256(b"{{ messages }} tampered").hexdigest(),
+    }
     events = cluster.kubectl(
         "get", "events", "-n", namespace, "--field-selector", "reason=DriftDetected"
     )
