@@ -19,6 +19,7 @@ from llmpool.engine.kv_cache_manager import KVCacheManager
 from llmpool.engine.model_runner import ModelRunner
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
 from llmpool.engine.models.loader import SUPPORTED_MODEL_TYPES, load_weights
+from llmpool.engine.models.quantization import FP8_DTYPE, quantize_int8
 from llmpool.engine.outputs import RequestDelta
 from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.request import Request, RequestStatus
@@ -81,12 +82,20 @@ class EngineCore:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         self.backend = select_backend(self.device, config.attention_backend)
+        if config.kv_cache_dtype == "fp8" and self.backend.name != "torch":
+            raise ValueError(
+                f"kv_cache_dtype fp8 runs on the torch attention backend only, not {self.backend.name};"
+                " pass attention_backend='torch'"
+            )
+        self.kv_cache_torch_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
 
         model = LlamaForCausalLM(self.shape, self.backend, max_positions=self.max_model_len)
         load_weights(model, folder)
+        num_parameters = sum(p.numel() for p in model.parameters())
+        if config.quantization == "int8":
+            quantize_int8(model)  # from the float32 checkpoint weights, before the cast
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.cos_sin_cache = self.model.cos_sin_cache.to(self.device)
-        num_parameters = sum(p.numel() for p in self.model.parameters())
         self.capacity_shape = model_shape_for_capacity(self.shape, num_parameters)
 
         num_blocks = self._num_kv_blocks()
@@ -100,7 +109,7 @@ class EngineCore:
                     config.block_size,
                     self.shape.num_kv_heads,
                     self.shape.head_dim,
-                    dtype=self.dtype,
+                    dtype=self.kv_cache_torch_dtype,
                     device=self.device,
                 ),
                 torch.zeros(
@@ -108,7 +117,7 @@ class EngineCore:
                     config.block_size,
                     self.shape.num_kv_heads,
                     self.shape.head_dim,
-                    dtype=self.dtype,
+                    dtype=self.kv_cache_torch_dtype,
                     device=self.device,
                 ),
             )
@@ -123,7 +132,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv_cache_manager, self.device)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         logger.info(
-            "engine ready: %s (%s) on %s/%s, backend %s, %d KV blocks of %d tokens (%s tokens), max_model_len %d",
+            "engine ready: %s (%s) on %s/%s, backend %s, %d KV blocks of %d tokens (%s tokens), max_model_len %d,"
+            " quantization %s, KV cache %s",
             self.resolved.source,
             self.shape.num_layers,
             self.device,
@@ -133,10 +143,15 @@ class EngineCore:
             config.block_size,
             f"{num_blocks * config.block_size:,}",
             self.max_model_len,
+            config.quantization,
+            self.kv_dtype_name,
         )
 
     @property
     def kv_dtype_name(self) -> str:
+        """The KV-cache dtype as llmpool.capacity names it."""
+        if self.config.kv_cache_dtype == "fp8":
+            return "fp8"
         return str(self.dtype).removeprefix("torch.")
 
     def _num_kv_blocks(self) -> int:

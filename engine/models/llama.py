@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from llmpool.engine.attention import AttentionMetadata, Backend
+from llmpool.engine.models.quantization import FP8_DTYPE, write_kv_fp8
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class LlamaLayer(nn.Module):
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
         self.split_sizes = [q_size, kv_size, kv_size]
         self.scale = shape.head_dim**-0.5
+        # Per-tensor scales of an fp8 KV cache: stored value = K / k_scale (see quantization.py).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -138,10 +142,23 @@ class LlamaLayer(nn.Module):
         value = value.view(num_tokens, shape.num_kv_heads, shape.head_dim)
         query, key = backend.rotary_embedding(positions, query, key, cos_sin_cache)
         key_cache, value_cache = kv_cache
-        backend.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        attended = backend.paged_attention(
-            query, key_cache, value_cache, attention_plan, self.scale
-        )
+        if key_cache.dtype == FP8_DTYPE:
+            write_kv_fp8(
+                backend.write_kv, key, value, key_cache, value_cache, meta.slot_mapping,
+                self.k_scale, self.v_scale,
+            )  # fmt: skip
+            # Dequantizing K and V by their scales is the same as scaling the query and the output.
+            attended = (
+                backend.paged_attention(
+                    query * self.k_scale, key_cache, value_cache, attention_plan, self.scale
+                )
+                * self.v_scale
+            )
+        else:
+            backend.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+            attended = backend.paged_attention(
+                query, key_cache, value_cache, attention_plan, self.scale
+            )
         hidden = self.o_proj(attended.view(num_tokens, -1))
 
         hidden, residual = backend.fused_add_rms_norm(
@@ -196,4 +213,6 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, nn.Module):  # quantized
+            return self.lm_head(hidden).float()
         return nn.functional.linear(hidden, self.lm_head).float()
