@@ -23,7 +23,6 @@ class PodView:
     digest: str | None
     ready: bool
     ip: str | None
-    phase: str | None
     terminating: bool
     restart_count: int = 0
     waiting_reason: str | None = None
@@ -40,7 +39,6 @@ class DeploymentView:
     status_replicas: int
     ready_replicas: int
     updated_replicas: int
-    available_replicas: int
     progress_deadline_exceeded: bool
 
 
@@ -71,7 +69,6 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         digest=(metadata.get("annotations") or {}).get(naming.DIGEST_ANNOTATION),
         ready=ready,
         ip=status.get("podIP"),
-        phase=status.get("phase"),
         terminating=metadata.get("deletionTimestamp") is not None,
         restart_count=int(engine.get("restartCount") or 0),
         waiting_reason=(state.get("waiting") or {}).get("reason"),
@@ -95,7 +92,6 @@ def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
         status_replicas=int(status.get("replicas") or 0),
         ready_replicas=int(status.get("readyReplicas") or 0),
         updated_replicas=int(status.get("updatedReplicas") or 0),
-        available_replicas=int(status.get("availableReplicas") or 0),
         progress_deadline_exceeded=any(
             c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
             for c in status.get("conditions") or []
