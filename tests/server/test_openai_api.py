@@ -157,6 +157,7 @@ def test_logprobs(client: openai.OpenAI) -> None:
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
 
 
+@pytest.mark.slow  # loads the offline engine beside the server: about 2 minutes on a busy CPU
 async def test_concurrent_greedy_streams_equal_offline_engine(server) -> None:
     """32 streams at once, batched together, each equal to the offline engine's own output."""
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
