@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 STATUS_INTERVAL_SECONDS = 2.0
 CHAT_TEMPLATE_RETRY_SECONDS = 15
 APPLY_RETRY_SECONDS = 10
+RESTORE_GRACE_SECONDS = 10
 DEFAULT_ENGINE_IMAGE = "llmpool:latest"
 ANNOTATION_PREFIX = "llmpool.dev"
 
@@ -144,6 +145,7 @@ async def _reconcile(
     chat_template = await read_chat_template(pool, namespace)
     image = memo.get("engine_image") or DEFAULT_ENGINE_IMAGE
     pinned, digest = await apply_children(body, spec, chat_template, image)
+    memo["applied_at"] = time.monotonic()
     sizing = size_pool(pool)
     for problem in sizing.problems:
         kopf.warn(body, reason="ImpossibleSpec", message=problem)
@@ -204,6 +206,11 @@ def _now() -> str:
 def _pods_signature(pods: list[PodView]) -> tuple[tuple[str, bool, int], ...]:
     """Changes when a pod comes, goes, restarts or turns (un)ready: a reason to check now."""
     return tuple(sorted((p.uid, p.ready, p.restart_count) for p in pods))
+
+
+def _restore_due(memo: kopf.Memo) -> bool:
+    """Whether the last apply is old enough for a missing Deployment to be really missing."""
+    return time.monotonic() - memo.get("applied_at", float("-inf")) >= RESTORE_GRACE_SECONDS
 
 
 def _drift_check_due(memo: kopf.Memo, pool: PoolSpec, pods: list[PodView]) -> bool:
@@ -313,10 +320,20 @@ async def observe(
     generation = meta.get("generation", 0)
     reconciled_generation = status.get("observedGeneration", 0)
     problems = list(size_pool(pool).problems)
+    reconciled = reconciled_generation >= generation
+
+    if deployment is None and reconciled and _restore_due(memo):
+        # Someone deleted the engine Deployment: put it back (the index lags a fresh apply,
+        # hence the grace period).
+        kopf.warn(body, reason="DeploymentRestored", message="the engine Deployment was missing")
+        try:
+            patch.status.update(await _reconcile(body, spec, status, memo))
+        except ChatTemplateMissing as error:
+            problems.append(str(error))
 
     entries: list[drift.DriftEntry] | None = None
     checked = 0
-    if reconciled_generation >= generation and _drift_check_due(memo, pool, pods):
+    if reconciled and _drift_check_due(memo, pool, pods):
         try:
             entries, checked, digest = await _check_drift(
                 body=body, spec=spec, status=status, memo=memo, pods=pods, patch=patch
@@ -351,7 +368,7 @@ async def observe(
                 pods,
                 digest=digest,
                 replicas=pool.replicas,
-                reconciled=reconciled_generation >= generation,
+                reconciled=reconciled,
             )
             await _recreate_drifted(
                 body=body,

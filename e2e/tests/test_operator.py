@@ -287,6 +287,49 @@ def test_scale_does_not_roll_and_a_pinned_change_does(
     assert "maxModelLen" in events
 
 
+def test_a_deleted_deployment_is_restored(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    cluster.apply(*example(), namespace=namespace)
+    digest = wait_for(
+        "a digest", lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"), 60
+    )
+    wait_for(
+        "the Deployment",
+        lambda: (
+            cluster.run(
+                "kubectl", "get", "deployment", "smollm2-chat", "-n", namespace, check=False
+            ).returncode
+            == 0
+        ),
+        60,
+    )
+    old_uid = cluster.get("deployment", "smollm2-chat", "-n", namespace)["metadata"]["uid"]
+    cluster.kubectl("delete", "deployment", "smollm2-chat", "-n", namespace)
+
+    def restored() -> dict[str, Any] | None:
+        found = cluster.run(
+            "kubectl",
+            "get",
+            "deployment",
+            "smollm2-chat",
+            "-n",
+            namespace,
+            "-o",
+            "json",
+            check=False,
+        )
+        deployment = json.loads(found.stdout) if found.returncode == 0 else None
+        return deployment if deployment and deployment["metadata"]["uid"] != old_uid else None
+
+    deployment = wait_for("the Deployment to be restored", restored, 60)
+    assert deployment["spec"]["template"]["metadata"]["annotations"][DIGEST_ANNOTATION] == digest
+    events = cluster.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", "reason=DeploymentRestored"
+    )
+    assert "smollm2-chat" in events
+
+
 def test_operator_restart_converges_without_duplicates(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:

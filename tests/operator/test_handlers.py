@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import kopf
 
-from llmpool.operator.handlers import _drift_check_due, replica_change
+from llmpool.operator.handlers import _drift_check_due, _restore_due, replica_change
 from llmpool.operator.spec import PoolSpec
 from llmpool.operator.views import pod_view
 
@@ -35,3 +35,14 @@ def test_replica_change():
     other = kopf.Diff([kopf.DiffItem(kopf.DiffOperation.CHANGE, ("spec", "maxModelLen"), 1, 2)])
     assert replica_change(other) is None
     assert replica_change(kopf.Diff([])) is None
+
+
+def test_restore_waits_for_the_index_to_see_a_fresh_apply(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("llmpool.operator.handlers.time.monotonic", lambda: now[0])
+    memo = kopf.Memo()
+    assert _restore_due(memo)  # never applied by this process
+    memo["applied_at"] = 100.0
+    assert not _restore_due(memo)
+    now[0] += 10
+    assert _restore_due(memo)
