@@ -48,6 +48,8 @@ PEAK_TBPS = [
 
 @dataclass
 class Row:
+    """One line of the printed table."""
+
     check: str
     result: str
     reference: str = ""
@@ -55,6 +57,7 @@ class Row:
 
 
 def spec_peak_tbps(device_name: str) -> float | None:
+    """The data-sheet HBM bandwidth of a GPU by name, or None for a GPU not in the table."""
     for key, tbps in PEAK_TBPS:
         if key in device_name:
             return tbps
@@ -168,7 +171,7 @@ def decode_bandwidth(num_seqs: int, context: int, reference: float, spec: float 
     if spec is not None:
         ratio += f", {bandwidth / (spec * 1e12):.0%} of spec"
     return Row(
-        f"decode attention, {num_seqs} seqs x {context} tokens",
+        f"decode attention 32q/8kv x 128 bf16, {num_seqs} seqs x {context} tokens",
         f"{bandwidth / 1e12:.2f} TB/s ({seconds * 1e6:.0f} us)",
         f"copy {reference / 1e12:.2f} TB/s" + (f", spec {spec} TB/s" if spec else ""),
         ratio,
