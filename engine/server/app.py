@@ -46,6 +46,8 @@ from llmpool.engine.server.stats_log import log_stats_forever
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = "1"
+# Far beyond any prompt that fits a context window; a bound on what one request may make us hold.
+MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,19 @@ def _engine_error(error: Exception) -> APIError:
             headers={"Retry-After": RETRY_AFTER_SECONDS},
         )  # fmt: skip
     return bad_request(str(error))
+
+
+async def _read_body(request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(
+                413, f"the request body is larger than {MAX_BODY_BYTES:,} bytes",
+                code="request_too_large",
+            )  # fmt: skip
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -189,14 +204,14 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_completion_request(parse_json_body(await request.body()))
+        parsed = parse_completion_request(parse_json_body(await _read_body(request)))
         self._check_model(parsed.model)
         prompts = [self.prompts.completion_ids(p) for p in parsed.prompts]
         return await self._generate(request, "completion", "cmpl", parsed, prompts, arrival)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_chat_request(parse_json_body(await request.body()))
+        parsed = parse_chat_request(parse_json_body(await _read_body(request)))
         self._check_model(parsed.model)
         prompt = self.prompts.chat_ids(parsed.messages, parsed.add_generation_prompt)
         return await self._generate(request, "chat", "chatcmpl", parsed, [prompt], arrival)

@@ -101,6 +101,14 @@ def test_unreadable_body_is_a_400(http: httpx.Client, raw: bytes) -> None:
     assert_openai_error(response, 400)
 
 
+def test_oversized_body_is_a_413(http: httpx.Client) -> None:
+    body = json.dumps({**COMPLETION, "prompt": "x" * (17 * 1024 * 1024)})
+    response = http.post(
+        "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert assert_openai_error(response, 413)["code"] == "request_too_large"
+
+
 def test_prompt_longer_than_max_model_len_names_both_numbers(http: httpx.Client) -> None:
     error = assert_openai_error(
         http.post("/v1/completions", json={**COMPLETION, "prompt": LONG_PROMPT}), 400
