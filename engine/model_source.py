@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,9 +86,23 @@ def _folder_revision(folder: Path) -> str:
     return files_digest(files, folder)
 
 
+_COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
+
+
 def verify_revision(resolved: ResolvedModel, expected: str | None) -> None:
-    if expected is not None and expected != resolved.revision:
+    """A content digest must equal the files' digest; a commit SHA must name the HF snapshot.
+
+    Hugging Face caches a commit's files under ``.../snapshots/<commit>/``, which is how an
+    ``hf://`` source reaches the engine, so the folder name is what a commit pin is checked against.
+    """
+    if expected is None:
+        return
+    if _COMMIT_SHA.fullmatch(expected):
+        folder = resolved.folder
+        actual = folder.name if folder.parent.name == "snapshots" else "no snapshot commit"
+    else:
+        actual = resolved.revision
+    if actual != expected:
         raise RevisionMismatchError(
-            f"RevisionMismatch: {resolved.source} has revision {resolved.revision},"
-            f" but {expected} was pinned"
+            f"RevisionMismatch: {resolved.source} has revision {actual}, but {expected} was pinned"
         )
