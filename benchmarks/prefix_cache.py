@@ -1,0 +1,192 @@
+"""Prefix caching: TTFT of chat requests behind one long shared system prompt, cache on vs off.
+
+A closed loop keeps ``--concurrency`` requests in flight; each is the same ~1,000-token system
+prompt plus a short user turn of its own, and a new one arrives whenever one finishes. TTFT is
+measured from engine timestamps (first token's step end minus arrival). Both engines run in the
+same process one after the other, on the same requests.
+
+    python benchmarks/prefix_cache.py --requests 48 --concurrency 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from llmpool.engine.config import EngineConfig
+from llmpool.engine.engine_core import EngineCore
+from llmpool.engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+
+SYSTEM_PARAGRAPH = (
+    "You are the support assistant of a public library network. Members borrow books, films and"
+    " music, renew loans online, reserve items held at other branches and pay small fines. Be"
+    " polite and brief, give opening hours only from the table you were given, never invent a"
+    " policy, and ask a clarifying question when a request is ambiguous. "
+)
+USER_TURNS = [
+    "How do I renew a book?",
+    "Is the central branch open on Sunday?",
+    "Can I reserve a film from another branch?",
+    "What happens if I return a book late?",
+    "How many items can I borrow at once?",
+    "Do you lend e-books?",
+    "I lost my library card. What now?",
+    "Can children get their own card?",
+]
+
+
+def build_prompts(engine: EngineCore, system_tokens: int, count: int) -> list[list[int]]:
+    """Chat-templated prompts whose system message is exactly ``system_tokens`` tokens."""
+    tokenizer = engine.tokenizer
+    paragraph = tokenizer.encode(SYSTEM_PARAGRAPH, add_special_tokens=False)
+    system_ids = (paragraph * (system_tokens // len(paragraph) + 1))[:system_tokens]
+    system = tokenizer.decode(system_ids)
+    prompts = []
+    for index in range(count):
+        turn = f"{USER_TURNS[index % len(USER_TURNS)]} (ticket {index})"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": turn}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def run(engine: EngineCore, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    """Closed loop at ``concurrency``; returns TTFTs in seconds and the prefix-cache counters."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    arrival: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    pending = list(enumerate(prompts))
+    in_flight = 0
+    started = time.monotonic()
+
+    def submit() -> None:
+        nonlocal in_flight
+        index, prompt = pending.pop(0)
+        arrival[str(index)] = time.monotonic()
+        engine.add_request(str(index), prompt, params, arrival_time=arrival[str(index)])
+        in_flight += 1
+
+    while pending and in_flight < concurrency:
+        submit()
+    while engine.has_unfinished_requests():
+        deltas = engine.step()
+        now = time.monotonic()
+        for delta in deltas:
+            ttft.setdefault(delta.request_id, now - arrival[delta.request_id])
+            if delta.finished:
+                in_flight -= 1
+                if pending:
+                    submit()
+    stats = engine.stats()
+    return {
+        "ttft_s": [ttft[str(i)] for i in range(len(prompts))],
+        "wall_s": time.monotonic() - started,
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "prefix_cache_hits": stats.prefix_cache_hits,
+    }
+
+
+def summarize(result: dict) -> dict:
+    ttft = sorted(result["ttft_s"])
+    queries = result["prefix_cache_queries"]
+    return {
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p95_s": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))],
+        "wall_s": result["wall_s"],
+        "hit_rate": result["prefix_cache_hits"] / queries if queries else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--device", default="auto")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    summaries = {}
+    for caching in (False, True):
+        engine = EngineCore(
+            EngineConfig(
+                device=args.device,
+                max_model_len=2048,
+                max_num_seqs=args.concurrency,
+                enable_prefix_caching=caching,
+            )
+        )
+        prompts = build_prompts(engine, args.system_tokens, args.requests)
+        name = "cache on" if caching else "cache off"
+        summaries[name] = summarize(run(engine, prompts, args.concurrency, args.max_tokens))
+        print(name, json.dumps(summaries[name]), flush=True)
+        del engine
+
+    off, on = summaries["cache off"], summaries["cache on"]
+    report = {
+        "command": " ".join(["python benchmarks/prefix_cache.py", *argv]),
+        "settings": vars(args) | {"prompt_tokens": len(prompts[0])},
+        "results": summaries,
+        "ttft_p50_speedup": off["ttft_p50_s"] / on["ttft_p50_s"],
+        "ttft_p95_speedup": off["ttft_p95_s"] / on["ttft_p95_s"],
+    }
+    write_results(report)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def write_results(report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "prefix_cache.json").write_text(json.dumps(report, indent=2) + "\n")
+    results = report["results"]
+    lines = [
+        "| prefix cache | TTFT p50 (s) | TTFT p95 (s) | wall (s) | hit rate |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} | {r['wall_s']:.1f}"
+        f" | {100 * r['hit_rate']:.1f}% |"
+        for name, r in results.items()
+    ]
+    lines += [
+        "",
+        f"TTFT p50 {report['ttft_p50_speedup']:.1f}x lower, p95"
+        f" {report['ttft_p95_speedup']:.1f}x lower with the cache on.",
+        f"Command: `{report['command']}`",
+    ]
+    (RESULTS / "prefix_cache.md").write_text("\n".join(lines) + "\n")
+    figure, axis = plt.subplots(figsize=(5, 3.5))
+    names = list(results)
+    for offset, key in ((-0.2, "ttft_p50_s"), (0.2, "ttft_p95_s")):
+        axis.bar(
+            [i + offset for i in range(len(names))],
+            [results[n][key] for n in names],
+            width=0.4,
+            label=key.removeprefix("ttft_").removesuffix("_s"),
+        )
+    axis.set_xticks(range(len(names)), names)
+    axis.set_ylabel("TTFT (s)")
+    axis.set_title("Shared 1,000-token system prompt, concurrency 16")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(RESULTS / "prefix_cache.png", dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
