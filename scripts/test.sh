@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 ruff check .
 ruff format --check .
+bash scripts/typecheck.sh
 pytest tests
 bash e2e/run-tests.sh

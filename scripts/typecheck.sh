@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# mypy on the engine core and the operator. pyproject maps the folders engine/ and operator/ to
+# llmpool.engine and llmpool.operator, which mypy cannot follow, so it checks a tree of symlinks
+# laid out as the installed package is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tree=build/typecheck
+rm -rf "$tree" && mkdir -p "$tree/llmpool"
+for path in llmpool/*; do ln -s "$PWD/$path" "$tree/llmpool/"; done
+ln -s "$PWD/engine" "$tree/llmpool/engine"
+ln -s "$PWD/operator" "$tree/llmpool/operator"
+cd "$tree"
+mypy --ignore-missing-imports --follow-imports=silent \
+  -p llmpool.operator \
+  -m llmpool.engine.scheduler -m llmpool.engine.kv_cache_manager -m llmpool.engine.block_pool \
+  -m llmpool.engine.request -m llmpool.engine.engine_core -m llmpool.engine.model_runner
