@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -27,13 +28,15 @@ def main() -> int:
 
     try:
         if args.command == "build":
-            print(build.ensure_binaries())
+            for path in vars(build.ensure_binaries()).values():
+                print(path)
         elif args.command == "up":
             cluster.up()
             print(f"export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}")
         elif args.command == "env":
-            for key, value in cluster.env().items():
-                print(f"export {key}={shlex.quote(value)}")
+            dirs = os.pathsep.join(str(d) for d in build.bin_dirs())
+            print(f"export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}")
+            print(f'export PATH="{dirs}{os.pathsep}$PATH"')
         elif args.command == "status":
             states = cluster.component_status()
             for name, ok in states.items():

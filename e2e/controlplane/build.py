@@ -44,10 +44,6 @@ class Binaries:
     kube_scheduler: Path
     helm: Path
 
-    @property
-    def bin_dirs(self) -> list[Path]:
-        return sorted({p.parent for p in (self.etcd, self.kube_apiserver, self.helm)})
-
 
 def _log(msg: str) -> None:
     print(f"[e2e build] {msg}", file=sys.stderr, flush=True)
@@ -111,6 +107,15 @@ def _tools_go(imports: list[str]) -> str:
 
 def _bin_dir(component: str, version: str) -> Path:
     return versions.cache_dir() / "bin" / f"{component}-{version}"
+
+
+def bin_dirs() -> list[Path]:
+    """Where the pinned versions' binaries are (or will be) installed."""
+    return [
+        _bin_dir("kubernetes", versions.KUBERNETES),
+        _bin_dir("etcd", versions.ETCD),
+        _bin_dir("helm", versions.HELM),
+    ]
 
 
 def _src_dir(component: str, version: str) -> Path:

@@ -50,7 +50,6 @@ class Record:
 
     ports: dict[str, int] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
-    bin_dirs: list[str] = field(default_factory=list)
     version: str = versions.KUBERNETES
 
     @classmethod
@@ -96,11 +95,10 @@ class Cluster:
 
     def env(self) -> dict[str, str]:
         """Environment for kubectl and helm against this cluster."""
-        rec = self.record()
-        bin_dirs = rec.bin_dirs if rec else []
+        dirs = [str(d) for d in build.bin_dirs()]
         return {
             "KUBECONFIG": str(self.kubeconfig),
-            "PATH": os.pathsep.join([*bin_dirs, os.environ.get("PATH", "")]),
+            "PATH": os.pathsep.join([*dirs, os.environ.get("PATH", "")]),
         }
 
     # -------------------------------------------------------------------- up
@@ -123,7 +121,6 @@ class Cluster:
                 name: _free_port()
                 for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
             },
-            bin_dirs=[str(d) for d in binaries.bin_dirs],
         )
         self._make_credentials(rec)
         _log(f"credentials ready ({time.monotonic() - started:.1f}s)")
