@@ -102,27 +102,12 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
-        self.kv_caches = [
-            (
-                torch.zeros(
-                    num_blocks,
-                    config.block_size,
-                    self.shape.num_kv_heads,
-                    self.shape.head_dim,
-                    dtype=self.kv_cache_torch_dtype,
-                    device=self.device,
-                ),
-                torch.zeros(
-                    num_blocks,
-                    config.block_size,
-                    self.shape.num_kv_heads,
-                    self.shape.head_dim,
-                    dtype=self.kv_cache_torch_dtype,
-                    device=self.device,
-                ),
-            )
-            for _ in range(self.shape.num_layers)
-        ]
+        cache_shape = (num_blocks, config.block_size, self.shape.num_kv_heads, self.shape.head_dim)
+
+        def empty_cache() -> torch.Tensor:
+            return torch.zeros(cache_shape, dtype=self.kv_cache_torch_dtype, device=self.device)
+
+        self.kv_caches = [(empty_cache(), empty_cache()) for _ in range(self.shape.num_layers)]
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
