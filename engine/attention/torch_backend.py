@@ -51,21 +51,21 @@ class TorchAttentionPlan:
 
 
 def plan(meta: AttentionMetadata) -> TorchAttentionPlan:
-    """Split the batch into decodes (one query token) and the rest, each padded on its own.
+    """Group sequences by query length (powers of two), each group padded on its own.
 
-    Padding a 1-token decode to a 2,048-token prefill chunk would multiply the work, so the two
-    kinds of sequence are attended in separate calls; within a group, queries are padded to the
-    group's longest and contexts to its longest, and a boolean mask keeps attention causal.
+    Padding a 1-token decode, or a 20-token prompt tail after a prefix-cache hit, to a 2,048-token
+    prefill chunk would multiply the work, so sequences whose query lengths share a power-of-two
+    bucket are attended together: at most one call per bucket, queries padded to the group's
+    longest and contexts to its longest, with a boolean mask keeping attention causal.
     """
     query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).to(torch.int64)
     seq_lens = meta.seq_lens.to(torch.int64)
     device = meta.seq_lens.device
     groups = []
-    is_decode = query_lens == 1
-    for selected in (is_decode, ~is_decode):
+    buckets = torch.ceil(torch.log2(query_lens.to(torch.float32))).to(torch.int64)
+    for bucket in torch.unique(buckets).tolist():
+        selected = buckets == bucket
         seq_ids = torch.nonzero(selected).flatten()
-        if seq_ids.numel() == 0:
-            continue
         group_query_lens = query_lens[seq_ids]
         group_seq_lens = seq_lens[seq_ids]
         max_q = int(group_query_lens.max())
