@@ -12,22 +12,27 @@ import subprocess
 import sys
 
 
-def _mount(source: str, target: str, read_only: bool) -> None:
+def _mount(source_fd: int, target: str, read_only: bool) -> None:
+    source = f"/proc/self/fd/{source_fd}"
     if os.path.isdir(source):
         os.makedirs(target, exist_ok=True)
     else:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         if not os.path.exists(target):
             open(target, "a").close()
-    subprocess.run(["mount", "--bind", source, target], check=True)
+    subprocess.run(["mount", "--bind", source, target], check=True, pass_fds=(source_fd,))
     if read_only:
         subprocess.run(["mount", "-o", "remount,bind,ro", target], check=True)
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    for source, target, read_only in spec["mounts"]:
-        _mount(source, target, read_only)
+    # Open every source before mounting anything: a volume mounted over a parent of the kubelet's
+    # state directory (an emptyDir at /tmp while the state lives under /tmp) would hide the
+    # sources of the volumes mounted after it.
+    opened = [(os.open(source, os.O_PATH), target, ro) for source, target, ro in spec["mounts"]]
+    for source_fd, target, read_only in opened:
+        _mount(source_fd, target, read_only)
     if spec.get("workingDir"):
         os.makedirs(spec["workingDir"], exist_ok=True)
         os.chdir(spec["workingDir"])
