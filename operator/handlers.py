@@ -60,8 +60,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.label_selectors["v1", "pods"] = naming.POOL_LABEL
     settings.watching.label_selectors["apps", "v1", "deployments"] = naming.POOL_LABEL
     kube.load_credentials()
-    if memo.get("peering_name"):
-        await kube.ensure_peering(memo["peering_name"], list(memo.get("namespaces") or []))
+    if memo.get("peering_to_create"):
+        await kube.ensure_peering(memo["peering_to_create"], list(memo.get("namespaces") or []))
     if memo.get("metrics_port"):
         metrics.serve(memo["metrics_port"])
 

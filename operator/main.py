@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--standalone", action="store_true", help="run without peering (a single replica)"
     )
     parser.add_argument(
+        "--no-create-peering",
+        action="store_true",
+        help=(
+            "the peering object is managed elsewhere (the Helm chart owns it): do not create it;"
+            " kopf keeps touching it and starts peering once it exists"
+        ),
+    )
+    parser.add_argument(
         "--priority",
         type=int,
         default=None,
@@ -100,7 +108,7 @@ def main(argv: list[str]) -> int:
     memo = kopf.Memo(
         engine_image=args.engine_image,
         metrics_port=args.metrics_port,
-        peering_name=None if args.standalone else args.peering,
+        peering_to_create=None if args.standalone or args.no_create_peering else args.peering,
         namespaces=args.namespaces or [],
     )
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
