@@ -103,9 +103,6 @@ class KVCacheManager:
         if table:
             self.block_pool.release(table)
 
-    def num_allocated_slots(self) -> int:
-        return sum(len(table) for table in self.block_tables.values()) * self.block_size
-
     def _update_block_hashes(self, request: Request) -> None:
         extend_block_hashes(
             request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt

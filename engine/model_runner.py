@@ -26,15 +26,6 @@ class StepTimings:
     sample: float = 0.0
     steps: int = 0
 
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "schedule": self.schedule,
-            "prepare_inputs": self.prepare_inputs,
-            "forward": self.forward,
-            "sample": self.sample,
-            "steps": self.steps,
-        }
-
 
 @dataclass
 class ModelInputs:
