@@ -13,4 +13,5 @@ cd "$tree"
 mypy --ignore-missing-imports --follow-imports=silent \
   -p llmpool.operator \
   -m llmpool.engine.scheduler -m llmpool.engine.kv_cache_manager -m llmpool.engine.block_pool \
-  -m llmpool.engine.request -m llmpool.engine.engine_core -m llmpool.engine.model_runner
+  -m llmpool.engine.request -m llmpool.engine.engine_core -m llmpool.engine.model_runner \
+  -m llmpool.engine.attention.torch_backend -m llmpool.engine.models.linear

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from llmpool.engine.attention import AttentionMetadata, Backend
+from llmpool.engine.models.linear import Linear, linear
 from llmpool.engine.models.quantization import FP8_DTYPE, write_kv_fp8
 
 
@@ -104,11 +105,11 @@ class LlamaLayer(nn.Module):
         q_size = shape.num_heads * shape.head_dim
         kv_size = shape.num_kv_heads * shape.head_dim
         self.input_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
-        self.qkv_proj = nn.Linear(shape.hidden_size, q_size + 2 * kv_size, bias=shape.qkv_bias)
-        self.o_proj = nn.Linear(q_size, shape.hidden_size, bias=False)
+        self.qkv_proj = Linear(shape.hidden_size, q_size + 2 * kv_size, bias=shape.qkv_bias)
+        self.o_proj = Linear(q_size, shape.hidden_size, bias=False)
         self.post_attention_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
-        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.gate_up_proj = Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
+        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size, bias=False)
         self.split_sizes = [q_size, kv_size, kv_size]
         self.scale = shape.head_dim**-0.5
         # Per-tensor scales of an fp8 KV cache: stored value = K / k_scale (see quantization.py).
@@ -215,4 +216,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, nn.Module):  # quantized
             return self.lm_head(hidden).float()
-        return nn.functional.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

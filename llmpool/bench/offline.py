@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -116,10 +117,10 @@ def breakdown(timings: StepTimings) -> tuple[dict[str, float], float]:
     return per_step, (timings.schedule + timings.prepare_inputs) / total if total else 0.0
 
 
-def run(args: argparse.Namespace) -> list[Result]:
+def run(args: argparse.Namespace) -> Iterator[Result]:
+    """One result per dtype and concurrency level, as each finishes."""
     from transformers import AutoModelForCausalLM
 
-    results = []
     for dtype in args.dtypes:
         llm = LLM(args.model, dtype=dtype, max_num_seqs=max(args.concurrency), max_model_len=1024)
         workload = make_workload(
@@ -151,10 +152,9 @@ def run(args: argparse.Namespace) -> list[Result]:
                 overhead,
             )
             logger.info("%s", result)
-            results.append(result)
+            yield result
         del llm, hf
         gc.collect()
-    return results
 
 
 def markdown_table(results: list[Result]) -> str:
@@ -162,7 +162,7 @@ def markdown_table(results: list[Result]) -> str:
         "| dtype | concurrency | HF tok/s | llmpool tok/s | ratio | ms/step: schedule / prepare / forward / sample | Python overhead |",
         "| --- | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
-    for r in results:
+    for r in sorted(results, key=lambda r: (r.dtype, r.concurrency)):
         b = r.llmpool_step_breakdown
         lines.append(
             f"| {r.dtype} | {r.concurrency} | {r.hf_tokens_per_s:.1f} | {r.llmpool_tokens_per_s:.1f} |"
@@ -181,7 +181,7 @@ def plot(results: list[Result], path: Path) -> None:
     dtypes = sorted({r.dtype for r in results})
     figure, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
     for axis, dtype in zip(axes[0], dtypes, strict=True):
-        rows = [r for r in results if r.dtype == dtype]
+        rows = sorted((r for r in results if r.dtype == dtype), key=lambda r: r.concurrency)
         levels = [r.concurrency for r in rows]
         axis.plot(levels, [r.hf_tokens_per_s for r in rows], "o-", label="HF static batches")
         axis.plot(levels, [r.llmpool_tokens_per_s for r in rows], "o-", label="llmpool")
@@ -213,20 +213,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def write_results(results: list[Result], out: Path, argv: list[str]) -> None:
+    """JSON, markdown table and plot of the results so far."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    table = markdown_table(results)
+    command = "llmpool bench offline " + " ".join(argv)
+    header = f"`{command.strip()}` — torch threads: {torch.get_num_threads()}\n\n"
+    (out / "results.md").write_text(header + table + "\n")
+    plot(results, out / "throughput.png")
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     args = parse_args(argv)
-    results = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(
-        json.dumps([asdict(r) for r in results], indent=2) + "\n"
-    )
-    table = markdown_table(results)
-    command = "llmpool bench offline " + " ".join(argv)
-    header = f"`{command.strip()}` — torch threads: {torch.get_num_threads()}\n\n"
-    (args.out / "results.md").write_text(header + table + "\n")
-    plot(results, args.out / "throughput.png")
-    print(table)
+    results: list[Result] = []
+    for result in run(args):
+        # Written after every level, so an interrupted run keeps what it measured.
+        results.append(result)
+        write_results(results, args.out, argv)
+    print(markdown_table(results))
     return 0
