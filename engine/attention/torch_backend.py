@@ -64,8 +64,9 @@ def plan(meta: AttentionMetadata) -> TorchAttentionPlan:
     bucket are attended together. Within a bucket, padding every context to the longest one
     would gather and attend over blocks nobody uses (decodes of 100 and 700 tokens side by side),
     so sequences sorted by context length are cut into groups whose longest context is within
-    ``MAX_CONTEXT_PADDING`` times (or ``MIN_CONTEXT_PADDING_TOKENS`` of) their shortest. Each group is one call: queries padded to the
-    group's longest, contexts to its longest, a boolean mask keeping attention causal.
+    ``MAX_CONTEXT_PADDING`` times, or ``MIN_CONTEXT_PADDING_TOKENS`` tokens, of their shortest.
+    Each group is one call: queries padded to the group's longest, contexts to its longest, a
+    boolean mask keeping attention causal.
     """
     query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).to(torch.int64)
     seq_lens = meta.seq_lens.to(torch.int64)
@@ -82,7 +83,7 @@ def plan(meta: AttentionMetadata) -> TorchAttentionPlan:
 
 
 def _split_by_context(seq_ids: torch.Tensor, context_lens: list[int]) -> list[torch.Tensor]:
-    """Cut ``seq_ids`` (sorted by ``context_lens``, in whole blocks) where padding would be too much."""
+    """Cut ``seq_ids``, sorted by context length (in whole blocks), where padding grows too much."""
     cuts = [0]
     for index, context in enumerate(context_lens):
         shortest = context_lens[cuts[-1]]

@@ -5,18 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Up to this many rows, W·xᵀ beats x·Wᵀ in float32 on CPU (MKL, 2 threads: 1.9x at 16 rows, 1.1x
-# at 64, slower from about 96 rows, where prefill batches live). bfloat16 goes through oneDNN,
-# where the plain orientation is already the faster one.
+# Up to this many rows, W·xᵀ beats x·Wᵀ in float32 on CPU (MKL on 2 threads, SmolLM2's layer
+# shapes: 1.9x at 16 rows, 1.1x at 64, slower from about 96 rows, where prefill batches live).
+# bfloat16 goes through oneDNN, where the plain orientation is already the faster one.
 CPU_TRANSPOSED_MAX_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``.
 
-    Decode batches are a few rows against a large weight. With x·Wᵀ, MKL splits the few rows
-    across threads and each thread streams the whole weight; computed as W·xᵀ the weight's rows
-    are what is split, so each thread reads half of it.
+    Decode batches are a few rows against a large weight. On one thread both orientations take
+    the same time; on two, MKL's split of x·Wᵀ with few rows barely gains, while W·xᵀ has the
+    weight's many rows to split, so each thread streams half of the weight.
     """
     if (
         x.device.type != "cpu"
