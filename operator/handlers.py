@@ -33,6 +33,7 @@ STATUS_INTERVAL_SECONDS = 2.0
 CHAT_TEMPLATE_RETRY_SECONDS = 15
 APPLY_RETRY_SECONDS = 10
 RESTORE_GRACE_SECONDS = 10
+DELETION_POLLING_SECONDS = 1.0
 DEFAULT_ENGINE_IMAGE = "llmpool:latest"
 ANNOTATION_PREFIX = "llmpool.dev"
 
@@ -56,6 +57,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # Events come from our own kopf.event/kopf.warn calls; kopf's per-handler chatter (a
     # timer succeeding every few seconds) stays in the log. kopf.info would be filtered too.
     settings.posting.level = logging.WARNING
+    # A pool being deleted keeps its finalizer until the `observe` timer's current run ends;
+    # kopf re-checks that every cancellation_polling seconds (60 by default), so a delete
+    # landing mid-run would hang `kubectl delete --wait` for a minute.
+    settings.background.cancellation_polling = DELETION_POLLING_SECONDS
     # Watch only the engine pods and Deployments, filtered by the API server.
     settings.watching.label_selectors["v1", "pods"] = naming.POOL_LABEL
     settings.watching.label_selectors["apps", "v1", "deployments"] = naming.POOL_LABEL
