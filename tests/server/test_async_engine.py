@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -27,7 +28,10 @@ class _Scripted:
 
 
 class ScriptedCore:
-    """Runs ``max_num_seqs`` requests a step; each emits one token per step until max_tokens."""
+    """Runs ``max_num_seqs`` requests a step; each emits one token per step until max_tokens.
+
+    A step sleeps briefly, as a forward pass releases the GIL, so the event loop keeps pace.
+    """
 
     def __init__(self, max_num_seqs: int = 2, fail_on_step: int | None = None) -> None:
         self.max_num_seqs = max_num_seqs
@@ -50,6 +54,7 @@ class ScriptedCore:
         return bool(self.scheduler.requests)
 
     def step(self):
+        time.sleep(0.001)
         self.steps += 1
         if self.steps == self.fail_on_step:
             raise RuntimeError("scripted failure")
@@ -109,9 +114,9 @@ async def test_engine_errors_on_submit_reach_the_caller_and_leave_nothing_behind
 
 
 async def test_requests_beyond_max_queue_are_refused() -> None:
-    """One runs, two wait (the queue is full), the fourth is refused."""
+    """One runs (until aborted), two wait (the queue is full), the fourth is refused."""
     engine = await started(ScriptedCore(max_num_seqs=1), max_queue=2)
-    streams = [await engine.submit("running", children(1, max_tokens=500))]
+    streams = [await engine.submit("running", children(1, max_tokens=10**9))]
     while engine.num_unscheduled:
         await asyncio.sleep(0.01)
     streams += [await engine.submit(f"waiting-{i}", children(1)) for i in range(2)]
@@ -126,7 +131,7 @@ async def test_requests_beyond_max_queue_are_refused() -> None:
 async def test_abort_reaches_the_engine_and_stops_the_stream() -> None:
     core = ScriptedCore()
     engine = await started(core)
-    stream = await engine.submit("r", children(2, max_tokens=1000))
+    stream = await engine.submit("r", children(2, max_tokens=10**9))
     async for _ in stream:
         break
     stream.abort()
