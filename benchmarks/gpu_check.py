@@ -1,4 +1,6 @@
-"""GPU check: kernel tests on CUDA, decode attention bandwidth, engine vs HF throughput; one table.
+"""GPU check: kernel tests on CUDA, decode attention bandwidth, engine throughput; one table.
+
+The kernel tests and the decode and engine rows include the fp8 KV cache.
 
 Run on a machine with one NVIDIA GPU (under 5 minutes): ``python benchmarks/gpu_check.py``.
 """
@@ -138,10 +140,16 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / seconds
 
 
-def decode_bandwidth(num_seqs: int, context: int, reference: float, spec: float | None) -> Row:
-    """Decode attention (one query per sequence) of a Llama-3-8B layer: 32 heads, 8 KV heads."""
+def decode_bandwidth(
+    num_seqs: int, context: int, reference: float, spec: float | None, fp8: bool = False
+) -> Row:
+    """Decode attention (one query per sequence) of a Llama-3-8B layer: 32 heads, 8 KV heads.
+
+    ``fp8``: the cache in e4m3 with per-layer scales, half the bytes of bf16 to read.
+    """
     from llmpool.engine.attention import AttentionMetadata
     from llmpool.engine.attention.triton_backend import TRITON
+    from llmpool.engine.models.quantization import quantize_fp8
 
     heads, kv_heads, head_dim, block_size, dtype = 32, 8, 128, 16, torch.bfloat16
     blocks_per_seq = math.ceil(context / block_size)
@@ -160,18 +168,27 @@ def decode_bandwidth(num_seqs: int, context: int, reference: float, spec: float 
     cache_shape = (num_blocks, block_size, kv_heads, head_dim)
     key_cache = torch.randn(cache_shape, dtype=dtype, device="cuda")
     value_cache = torch.randn(cache_shape, dtype=dtype, device="cuda")
+    k_scale, v_scale = (0.05, 0.02) if fp8 else (1.0, 1.0)
+    if fp8:
+        key_cache, value_cache = (
+            quantize_fp8(key_cache, k_scale),
+            quantize_fp8(value_cache, v_scale),
+        )
     query = torch.randn(num_seqs, heads, head_dim, dtype=dtype, device="cuda")
     plan = TRITON.plan(meta)
     seconds = cuda_time(
-        lambda: TRITON.paged_attention(query, key_cache, value_cache, plan, head_dim**-0.5),
+        lambda: TRITON.paged_attention(
+            query, key_cache, value_cache, plan, head_dim**-0.5, k_scale, v_scale
+        ),
         iters=20,
     )
-    bandwidth = 2 * num_seqs * context * kv_heads * head_dim * dtype.itemsize / seconds
+    bandwidth = 2 * num_seqs * context * kv_heads * head_dim * key_cache.element_size() / seconds
     ratio = f"{bandwidth / reference:.0%} of copy"
     if spec is not None:
         ratio += f", {bandwidth / (spec * 1e12):.0%} of spec"
     return Row(
-        f"decode attention 32q/8kv x 128 bf16, {num_seqs} seqs x {context} tokens",
+        f"decode attention 32q/8kv x 128 bf16, {'fp8' if fp8 else 'bf16'} KV,"
+        f" {num_seqs} seqs x {context} tokens",
         f"{bandwidth / 1e12:.2f} TB/s ({seconds * 1e6:.0f} us)",
         f"copy {reference / 1e12:.2f} TB/s" + (f", spec {spec} TB/s" if spec else ""),
         ratio,
@@ -179,12 +196,21 @@ def decode_bandwidth(num_seqs: int, context: int, reference: float, spec: float 
 
 
 def engine_throughput(
-    prompts: list[list[int]], concurrencies: list[int], max_tokens: int
+    prompts: list[list[int]],
+    concurrencies: list[int],
+    max_tokens: int,
+    kv_cache_dtype: str = "auto",
 ) -> dict[int, float]:
     """Output tokens/s of the engine, all ``c`` requests submitted at once."""
     from llmpool.engine import LLM, SamplingParams
 
-    llm = LLM(model=None, max_num_seqs=max(concurrencies), dtype="bfloat16", device="cuda")
+    llm = LLM(
+        model=None,
+        max_num_seqs=max(concurrencies),
+        dtype="bfloat16",
+        device="cuda",
+        kv_cache_dtype=kv_cache_dtype,
+    )
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
     llm.generate(prompts[: max(concurrencies)], params)  # compiles every kernel variant
     results = {}
@@ -250,15 +276,25 @@ def throughput_rows(prompt_len: int, max_tokens: int, concurrencies: list[int]) 
         [rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(max(concurrencies))
     ]
     engine = engine_throughput(prompts, concurrencies, max_tokens)
+    highest = max(concurrencies)
+    fp8 = engine_throughput(prompts, [highest], max_tokens, kv_cache_dtype="fp8")[highest]
     hf = hf_throughput(folder, prompts, concurrencies, max_tokens)
     return [
+        *(
+            Row(
+                f"built-in model, concurrency {c}, {prompt_len}+{max_tokens} tokens",
+                f"llmpool {engine[c]:,.0f} tok/s",
+                f"HF transformers {hf[c]:,.0f} tok/s",
+                f"{engine[c] / hf[c]:.2f}x",
+            )
+            for c in concurrencies
+        ),
         Row(
-            f"built-in model, concurrency {c}, {prompt_len}+{max_tokens} tokens",
-            f"llmpool {engine[c]:,.0f} tok/s",
-            f"HF transformers {hf[c]:,.0f} tok/s",
-            f"{engine[c] / hf[c]:.2f}x",
-        )
-        for c in concurrencies
+            f"built-in model, fp8 KV cache, concurrency {highest}",
+            f"llmpool {fp8:,.0f} tok/s",
+            f"bf16 KV {engine[highest]:,.0f} tok/s",
+            f"{fp8 / engine[highest]:.2f}x",
+        ),
     ]
 
 
@@ -294,6 +330,7 @@ def main() -> int:
     reference, spec = copy_bandwidth(), spec_peak_tbps(name)
     rows.append(decode_bandwidth(64, 2048, reference, spec))
     rows.append(decode_bandwidth(8, 8192, reference, spec))
+    rows.append(decode_bandwidth(64, 2048, reference, spec, fp8=True))
     rows.extend(throughput_rows(args.prompt_len, args.max_tokens, [1, 16, 64]))
     print_table(f"llmpool GPU check on {name} (torch {torch.__version__})", rows)
     return 1 if rows[0].result.startswith("FAIL") else 0

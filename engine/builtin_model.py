@@ -29,13 +29,20 @@ def gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / GGUF_FILE
 
 
+# The conversion's own version, in the folder name: bumped whenever the files it writes change, so
+# that no machine keeps a folder whose digests differ from a fresh conversion's (2: the tokenizer
+# config no longer records the converting machine's HF_HUB_OFFLINE).
+CONVERSION = 2
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("LLMPOOL_CACHE", Path.home() / ".cache" / "llmpool"))
 
 
 def builtin_folder(gguf_digest: str) -> Path:
     """The converted HF folder, converting on first use; keyed by the GGUF's digest."""
-    folder = cache_root() / "models" / f"{BUILTIN_NAME}-{gguf_digest.removeprefix('sha256:')[:16]}"
+    digest = gguf_digest.removeprefix("sha256:")[:16]
+    folder = cache_root() / "models" / f"{BUILTIN_NAME}-{digest}-c{CONVERSION}"
     if (folder / "config.json").exists():
         return folder
     convert_gguf(gguf_path(), folder)
@@ -55,7 +62,11 @@ def convert_gguf(source: Path, folder: Path) -> None:
     try:
         with tqdm(total=3, desc="built-in model", unit="step") as progress:
             progress.set_postfix_str("tokenizer")
-            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+            # local_files_only explicitly: else tokenizer_config.json records HF_HUB_OFFLINE of
+            # the converting machine, and replicas converted apart would differ in their digest.
+            tokenizer = AutoTokenizer.from_pretrained(
+                source.parent, gguf_file=source.name, local_files_only=True
+            )
             progress.update()
             progress.set_postfix_str("dequantize weights")
             model = AutoModelForCausalLM.from_pretrained(
@@ -69,7 +80,13 @@ def convert_gguf(source: Path, folder: Path) -> None:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             progress.update()
-        staging.rename(folder)
+        try:
+            staging.rename(folder)
+        except OSError:
+            if not (folder / "config.json").exists():
+                raise
+            # Another process converted it first (tests and replicas start together): keep theirs.
+            shutil.rmtree(staging, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -31,7 +31,7 @@ def parse_bytes(value: int | str) -> int:
     return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
 
 
-QUANTIZATIONS = ("none", "int8", "fp8")
+QUANTIZATIONS = ("none", "int8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,8 +53,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     priority_class: str = "interactive"  # the class of requests that name none (engine/priority.py)
+    # The most urgent class a request may ask for; None: priority_class, so that no client of a
+    # batch pool can jump ahead of the pool's own class.
+    max_request_priority: str | None = None
     quantization: str = "none"  # none | int8 (weight-only, per-output-channel scales)
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3 with per-layer scales
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3 (per-layer scales, 1.0 today)
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
@@ -91,13 +94,13 @@ class EngineConfig:
                 f"priority_class must be one of {', '.join(PRIORITY_CLASSES)}, got {self.priority_class!r}",
             ),
             (
-                self.quantization in QUANTIZATIONS,
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
+                self.max_request_priority is None or self.max_request_priority in PRIORITY_CLASSES,
+                f"max_request_priority must be one of {', '.join(PRIORITY_CLASSES)},"
+                f" got {self.max_request_priority!r}",
             ),
             (
-                self.quantization != "fp8",
-                "quantization fp8 (fp8 weights) is not implemented; use int8, or kv_cache_dtype fp8"
-                " for an fp8 KV cache",
+                self.quantization in QUANTIZATIONS,
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
             ),
             (
                 self.kv_cache_dtype in KV_CACHE_DTYPES,
@@ -107,6 +110,11 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def request_priority_floor(self) -> int:
+        """The lowest (most urgent) request priority this engine accepts."""
+        return PRIORITY_CLASSES[self.max_request_priority or self.priority_class]
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from llmpool import capacity
 from llmpool.engine import model_source
-from llmpool.engine.attention import select_backend
+from llmpool.engine.admission import Limits, admit
+from llmpool.engine.attention import check_kv_cache_dtype, select_backend
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.detokenizer import IncrementalDetokenizer
 from llmpool.engine.kv_cache_manager import KVCacheManager
@@ -29,10 +30,6 @@ from llmpool.engine.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
-
-
-class PromptTooLongError(ValueError):
-    """A prompt that cannot fit the context window; the server answers 400 with these numbers."""
 
 
 @dataclass
@@ -81,13 +78,11 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(folder, self.tokenizer)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        self.backend = select_backend(self.device, config.attention_backend)
-        if config.kv_cache_dtype == "fp8" and self.backend.name != "torch":
-            raise ValueError(
-                f"kv_cache_dtype fp8 runs on the torch attention backend only, not {self.backend.name};"
-                " pass attention_backend='torch'"
-            )
         self.kv_cache_torch_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
+        self.backend = select_backend(
+            self.device, config.attention_backend, self.kv_cache_torch_dtype
+        )
+        check_kv_cache_dtype(self.backend, self.kv_cache_torch_dtype, self.device)
 
         model = LlamaForCausalLM(self.shape, self.backend, max_positions=self.max_model_len)
         load_weights(model, folder)
@@ -116,6 +111,11 @@ class EngineCore:
         )
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv_cache_manager, self.device)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.limits = Limits(
+            vocab_size=self.shape.vocab_size,
+            max_model_len=self.max_model_len,
+            priority_floor=config.request_priority_floor,
+        )
         logger.info(
             "engine ready: %s (%s) on %s/%s, backend %s, %d KV blocks of %d tokens (%s tokens), max_model_len %d,"
             " quantization %s, KV cache %s",
@@ -187,29 +187,21 @@ class EngineCore:
         priority: int | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request; a prompt that cannot fit raises PromptTooLongError before queuing.
+        """Queue a request, or raise InvalidRequestError (admission.py) and queue nothing.
 
         ``priority`` None means the engine's ``priority_class``; ``cache_salt`` keeps the
         request's prefix-cache blocks apart from those of requests with another salt.
         """
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty")
-        if num_prompt >= self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len:,} tokens; the prompt has"
-                f" {num_prompt:,} tokens, leaving no room to generate"
-            )
-        vocab = self.shape.vocab_size
-        if any(not 0 <= token < vocab for token in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if priority is None:
+            priority = PRIORITY_CLASSES[self.config.priority_class]
+        sampling_params = admit(prompt_token_ids, sampling_params, priority, self.limits)
         request = Request(
             request_id,
             prompt_token_ids,
             sampling_params,
             self.eos_token_ids,
             arrival_time,
-            PRIORITY_CLASSES[self.config.priority_class] if priority is None else priority,
+            priority,
             cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
@@ -237,19 +229,50 @@ class EngineCore:
         self.runner.timings.schedule += time.perf_counter() - started
         if scheduled.is_empty:
             return []
-        sampling_requests, sampled = self.runner.execute(scheduled)
+        result = self.runner.execute(scheduled)
+        sampled_at = time.perf_counter()
+        deltas = [self._fail(request, error) for request, error in result.failed]
+        if result.failed:
+            scheduled = scheduled.without({request.request_id for request, _ in result.failed})
         token_by_request = {
             request.request_id: token
-            for request, token in zip(sampling_requests, sampled.token_ids, strict=True)
+            for request, token in zip(
+                result.sampling_requests, result.sampled.token_ids, strict=True
+            )
         }
         logprobs_by_request = {
             request.request_id: entry
-            for request, entry in zip(sampling_requests, sampled.logprobs, strict=True)
+            for request, entry in zip(
+                result.sampling_requests, result.sampled.logprobs, strict=True
+            )
         }
         changed = self.scheduler.update_from_output(scheduled, token_by_request)
-        return [
-            self._delta(request, logprobs_by_request[request.request_id]) for request in changed
-        ]
+        for request in changed:
+            try:
+                deltas.append(self._delta(request, logprobs_by_request[request.request_id]))
+            except Exception as error:  # output processing of this request alone (detokenizing)
+                deltas.append(self._fail(request, error))
+        self.runner.timings.process_outputs += time.perf_counter() - sampled_at
+        return deltas
+
+    def _fail(self, request: Request, error: Exception) -> RequestDelta:
+        """End one request whose own work raised; its blocks are freed and the loop goes on."""
+        logger.error(
+            "request %s failed in the engine step and was ended: %s: %s",
+            request.request_id, type(error).__name__, error, exc_info=error,
+        )  # fmt: skip
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        self.detokenizers.pop(request.request_id, None)
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=RequestStatus.FINISHED_ERROR.value,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            error=f"{type(error).__name__}: {error}",
+        )
 
     def _delta(self, request: Request, logprobs: dict[int, float] | None) -> RequestDelta:
         token_id = request.all_token_ids[-1]

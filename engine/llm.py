@@ -45,31 +45,45 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts))
         results: dict[str, RequestOutput] = {}
         try:
-            for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
-                token_ids = (
-                    self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                )
-                request_id = str(next(self._ids))
-                results[request_id] = RequestOutput(
-                    request_id=request_id,
-                    prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=token_ids,
-                    outputs=[CompletionOutput(index=i) for i in range(prompt_params.n)],
-                )
-                for child, child_params in enumerate(_children(prompt_params)):
-                    self.engine.add_request(
-                        f"{request_id}-{child}",
-                        token_ids,
-                        child_params,
-                        priority=priority[index] if priority else None,
-                    )
-        except Exception:
-            # One bad prompt refuses the whole call; nothing of it stays queued.
+            self._add(prompts, params, priority, results)
+            self._run(results, sum(p.n for p in params), use_tqdm)
+        except BaseException:
+            # An error, or Ctrl-C: none of this call's requests may stay queued or hold blocks.
             self.engine.abort_requests(
                 [f"{rid}-{c}" for rid, out in results.items() for c in range(len(out.outputs))]
             )
             raise
-        total = sum(p.n for p in params)
+        for output in results.values():
+            output.finished = True
+        return list(results.values())
+
+    def _add(
+        self,
+        prompts: Sequence[Prompt],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None,
+        results: dict[str, RequestOutput],
+    ) -> None:
+        """Queue every prompt's children; ``results`` gets one entry per prompt as it is added."""
+        for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = str(next(self._ids))
+            results[request_id] = RequestOutput(
+                request_id=request_id,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=token_ids,
+                outputs=[CompletionOutput(index=i) for i in range(prompt_params.n)],
+            )
+            for child, child_params in enumerate(_children(prompt_params)):
+                self.engine.add_request(
+                    f"{request_id}-{child}",
+                    token_ids,
+                    child_params,
+                    priority=priority[index] if priority else None,
+                )
+
+    def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+        """Step the engine until every request is done, gathering the deltas into ``results``."""
         with tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm) as progress:
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
@@ -83,9 +97,6 @@ class LLM:
                         completion.finish_reason = delta.finish_reason
                         completion.stop_reason = delta.stop_reason
                         progress.update()
-        for output in results.values():
-            output.finished = True
-        return list(results.values())
 
     def chat(
         self,

@@ -1,4 +1,10 @@
-"""ModelRunner: turns a SchedulerOutput into flat tensors, runs one forward and samples."""
+"""ModelRunner: turns a SchedulerOutput into flat tensors, runs one forward and samples.
+
+Preparing inputs and sampling are per-request work done in batches; if a batch raises, the
+runner redoes it one request at a time, so that the request at fault fails alone (its error is
+returned) and the others go on. The forward pass has no such fallback: a fault there is the
+model's, and it stops the loop.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ class StepTimings:
     prepare_inputs: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
+    process_outputs: float = 0.0  # scheduler bookkeeping, stop checks and detokenization
     steps: int = 0
 
 
@@ -34,6 +41,13 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose next token is sampled
     sampling_requests: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    sampling_requests: list[Request]  # the requests that sampled, in the order of the tokens
+    sampled: SamplerOutput
+    failed: list[tuple[Request, Exception]]  # requests whose own rows raised, and why
 
 
 class ModelRunner:
@@ -106,22 +120,67 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
-        """One forward over the step's tokens; returns the requests that sampled and their tokens."""
+    def execute(self, scheduled: SchedulerOutput) -> StepResult:
+        """One forward over the step's tokens; returns who sampled what, and who failed."""
         started = time.perf_counter()
-        inputs = self.prepare_inputs(scheduled)
+        failed: list[tuple[Request, Exception]] = []
+        inputs = self._prepare_isolating(scheduled, failed)
         prepared = time.perf_counter()
+        if inputs is None:
+            self.timings.prepare_inputs += prepared - started
+            return StepResult([], SamplerOutput(token_ids=[], logprobs=[]), failed)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).cpu()
         forwarded = time.perf_counter()
-        sampled = (
-            self.sampler(logits, inputs.sampling_requests)
-            if inputs.sampling_requests
-            else SamplerOutput(token_ids=[], logprobs=[])
+        sampling_requests, sampled = self._sample_isolating(
+            logits, inputs.sampling_requests, failed
         )
         finished = time.perf_counter()
         self.timings.prepare_inputs += prepared - started
         self.timings.forward += forwarded - prepared
         self.timings.sample += finished - forwarded
         self.timings.steps += 1
-        return inputs.sampling_requests, sampled
+        return StepResult(sampling_requests, sampled, failed)
+
+    def _prepare_isolating(
+        self, scheduled: SchedulerOutput, failed: list[tuple[Request, Exception]]
+    ) -> ModelInputs | None:
+        """The step's inputs without the requests whose own inputs cannot be built."""
+        try:
+            return self.prepare_inputs(scheduled)
+        except Exception:
+            pass
+        culprits = set()
+        for request, count in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True):
+            try:
+                self.prepare_inputs(SchedulerOutput([request], [count]))
+            except Exception as error:
+                failed.append((request, error))
+                culprits.add(request.request_id)
+        rest = scheduled.without(culprits)
+        # No culprit found means the fault is not one request's: prepare_inputs raises again.
+        return self.prepare_inputs(rest) if rest.requests else None
+
+    def _sample_isolating(
+        self, logits: torch.Tensor, requests: list[Request], failed: list[tuple[Request, Exception]]
+    ) -> tuple[list[Request], SamplerOutput]:
+        """Sample the batch; if that raises, sample row by row and fail the rows that raise."""
+        if not requests:
+            return [], SamplerOutput(token_ids=[], logprobs=[])
+        try:
+            return requests, self.sampler(logits, requests)
+        except Exception:
+            pass
+        kept: list[Request] = []
+        token_ids: list[int] = []
+        logprobs: list[dict[int, float] | None] = []
+        for row, request in enumerate(requests):
+            try:
+                one = self.sampler(logits[row : row + 1], [request])
+            except Exception as error:
+                failed.append((request, error))
+                continue
+            kept.append(request)
+            token_ids += one.token_ids
+            logprobs += one.logprobs
+        return kept, SamplerOutput(token_ids=token_ids, logprobs=logprobs)

@@ -14,10 +14,11 @@ class RequestDelta:
     new_text: str
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None  # what failed the request when finish_reason is "error"
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from llmpool.engine.request import Request
+from llmpool.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -24,6 +25,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """``logits`` is ``[len(requests), vocab]`` float32, one row per sampling request."""
         params = [r.sampling_params for r in requests]
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, params)
         logits = self._apply_min_tokens(logits, requests)
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, requests)
@@ -41,6 +44,18 @@ class Sampler:
         return SamplerOutput(
             token_ids=token_list, logprobs=self._logprobs(raw_logprobs, params, token_list)
         )
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """OpenAI's logit_bias: added to the raw logits, before penalties and sampling."""
+        rows, columns, values = [], [], []
+        for row, p in enumerate(params):
+            rows += [row] * len(p.logit_bias)
+            columns += list(p.logit_bias)
+            values += list(p.logit_bias.values())
+        logits = logits.clone()
+        logits[rows, columns] += torch.tensor(values, dtype=logits.dtype)
+        return logits
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# torch.Generator.manual_seed takes any value in [-2**63, 2**64); negative ones wrap around.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds; -100 bans a token, 100 all but forces it
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings; ``temperature == 0`` means greedy.
+    """Per-request sampling settings; ``temperature == 0`` (or below 1e-5, as in vLLM) is greedy.
 
     Validation happens here, where the numbers are known, so that a bad request is refused
     before it reaches the engine loop.
@@ -32,6 +37,7 @@ class SamplingParams:
         None  # number of top logprobs per generated token, besides the chosen one
     )
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +47,11 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+        for name in (*numbers, "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        low, high = LOGIT_BIAS_RANGE
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}"),
@@ -73,6 +84,22 @@ class SamplingParams:
                 f"logprobs must be between 0 and 20, got {self.logprobs}",
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+                f"seed must be a 64-bit integer, between {SEED_RANGE[0]} and {SEED_RANGE[1]}",
+            ),
+            (
+                all(token >= 0 for token in self.stop_token_ids),
+                "stop_token_ids must be non-negative token ids",
+            ),
+            (
+                all(token >= 0 for token in self.logit_bias),
+                "logit_bias keys must be non-negative token ids",
+            ),
+            (
+                all(low <= bias <= high for bias in self.logit_bias.values()),
+                f"logit_bias values must be between {low:g} and {high:g}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -80,7 +107,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows to inf and the softmax to NaN.
+        return self.temperature < 1e-5
 
     @property
     def uses_penalties(self) -> bool:

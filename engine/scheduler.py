@@ -30,6 +30,19 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.requests
 
+    def without(self, request_ids: set[str]) -> SchedulerOutput:
+        """The same plan minus some requests (those the runner failed)."""
+        kept = [
+            (request, count)
+            for request, count in zip(self.requests, self.num_scheduled_tokens, strict=True)
+            if request.request_id not in request_ids
+        ]
+        return SchedulerOutput(
+            requests=[request for request, _ in kept],
+            num_scheduled_tokens=[count for _, count in kept],
+            preempted=self.preempted,
+        )
+
 
 class Scheduler:
     """Keeps the waiting and running queues, each ordered by (priority, arrival)."""

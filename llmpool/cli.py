@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "serve": ("llmpool.engine.server.cli", "serve a model over an OpenAI-compatible HTTP API"),
     "bench": ("llmpool.bench", "benchmarks: `bench offline` (engine vs HF) and `bench serve`"),
     "operator": ("llmpool.operator.main", "run the LLMPool Kubernetes operator"),
+    "gateway": ("llmpool.gateway.cli", "one OpenAI endpoint for every pool, routed by cache"),
     "plan": ("llmpool.plan", "weight and KV memory of a deployment, and how many sequences fit"),
 }
 

@@ -13,6 +13,9 @@ from llmpool.pinning import PINNED_KEYS
 
 # Observed fields that must agree across siblings (they are not part of the pin itself).
 OBSERVED_MAJORITY_FIELDS = ("weightsDigest", "tokenizerDigest")
+NO_MAJORITY = "(no majority)"
+MISSING = "(missing)"
+MAX_LISTED_ENTRIES = 5
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,8 @@ class DriftEntry:
         return {
             "pod": self.pod,
             "field": self.field,
-            "expected": "(no majority)" if self.expected is None else self.expected,
-            "actual": "(missing)" if self.actual is None else self.actual,
+            "expected": NO_MAJORITY if self.expected is None else self.expected,
+            "actual": MISSING if self.actual is None else self.actual,
         }
 
 
@@ -117,3 +120,63 @@ def pods_to_recreate(
     live = {p.name for p in pods if not p.terminating}
     candidates = sorted({e.pod for e in entries if e.expected is not None and e.pod in live})
     return candidates[:1]
+
+
+@dataclass(frozen=True)
+class Remediation:
+    """What policy Recreate does after a check, and the attempt count to record in status."""
+
+    victims: list[str]
+    attempts: int
+    gave_up: str | None  # the Degraded/DriftPersists message once the attempts are spent
+
+
+def persists_message(entries: Sequence[DriftEntry], attempts: int) -> str:
+    details = "; ".join(
+        f"pod {e.pod}: {e.field} is {e.actual}, expected {e.expected or '(no majority)'}"
+        for e in entries[:MAX_LISTED_ENTRIES]
+    )
+    more = len(entries) - MAX_LISTED_ENTRIES
+    suffix = f" and {more} more" if more > 0 else ""
+    return (
+        f"{attempts} recreation(s) of drifted pods did not remove the drift; no more pods are "
+        f"deleted until a check finds none or the pin changes: {details}{suffix}"
+    )
+
+
+def remediate(
+    entries: Sequence[DriftEntry],
+    candidates: Sequence[str],
+    *,
+    checked: int,
+    replicas: int,
+    attempts: int,
+    max_attempts: int,
+) -> Remediation:
+    """Back off: delete ``candidates`` (``pods_to_recreate``) only while fewer than
+    ``max_attempts`` recreations have failed to clear the drift.
+
+    ``attempts`` counts recreations since the pool was last seen drift-free, that is with
+    every one of its ``replicas`` checked and none drifted (a replacement still starting, or a
+    healthy sibling alone, proves nothing). It is kept in status, so that an operator restart
+    does not grant a fresh set of deletions.
+    """
+    if not entries:
+        return Remediation([], 0 if checked >= replicas else attempts, None)
+    if attempts >= max_attempts:
+        return Remediation([], attempts, persists_message(entries, attempts))
+    victims = list(candidates)[: max_attempts - attempts]
+    return Remediation(victims, attempts + len(victims), None)
+
+
+def entries_from_status(drift: Sequence[Mapping[str, Any]]) -> list[DriftEntry]:
+    """The drift report kept in status, back as entries (``DriftEntry.as_status`` reversed)."""
+    return [
+        DriftEntry(
+            pod=item.get("pod", ""),
+            field=item.get("field", ""),
+            expected=None if item.get("expected") == NO_MAJORITY else item.get("expected"),
+            actual=None if item.get("actual") == MISSING else item.get("actual"),
+        )
+        for item in drift
+    ]

@@ -36,6 +36,8 @@ def engine_args(spec: PoolSpec) -> list[str]:
         "--gpu-memory-utilization", repr(float(engine.gpu_memory_utilization)),
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
         "--priority-class", spec.priority_class,
+        # Always explicit, so that the bound on a request's priority never rests on a default.
+        "--max-request-priority", spec.max_request_priority or spec.priority_class,
     ]  # fmt: skip
     if spec.quantization != "none":
         args += ["--quantization", spec.quantization]

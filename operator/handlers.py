@@ -2,44 +2,76 @@
 
 Importing this module registers the handlers with kopf's default registry.
 
-- ``reconcile`` (create/update/resume) renders and server-side-applies the pool's children and
-  records what they were rendered from (``status.pinnedDigest`` and friends).
-- ``observe`` (a timer) turns the indexed Deployment and Pods into counts and conditions, and
-  checks fingerprints every ``spec.drift.intervalSeconds`` or as soon as the pool's pods
-  change (a pod restarting or turning ready), then applies the drift policy.
+There is one reconcile path, ``converge``, level-triggered and serialized per pool: the
+create/update/resume handler and the ``observe`` timer (every ``STATUS_INTERVAL_SECONDS``) both
+call it under the pool's lock, and it decides only from the live LLMPool it reads under that
+lock, so a timer started with an older body can never write children or status of an older
+spec. Each pass re-applies every child when the spec (or the user's chat template) changed,
+and otherwise each child that is missing or differs from what the spec renders; then it turns
+the indexed Deployment and Pods into counts and conditions, checks fingerprints every
+``spec.drift.intervalSeconds`` (or as soon as the pool's pods change) and applies the drift
+policy, backing off after the operator's ``max_drift_recreations``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import kopf
 from kubernetes.client import ApiException
 
 from llmpool import pinning
-from llmpool.operator import conditions, drift, fingerprints, kube, metrics, naming, render
+from llmpool.operator import (
+    admission,
+    children,
+    conditions,
+    drift,
+    fingerprints,
+    kube,
+    metrics,
+    naming,
+    render,
+)
 from llmpool.operator import status as pool_status
 from llmpool.operator.sizing import size_pool
 from llmpool.operator.spec import PoolSpec
-from llmpool.operator.views import DeploymentView, PodView, deployment_view, pod_view
+from llmpool.operator.views import (
+    DeploymentView,
+    PodView,
+    deployment_view,
+    owned_pods,
+    pod_view,
+)
 
 logger = logging.getLogger(__name__)
 
 STATUS_INTERVAL_SECONDS = 2.0
-CHAT_TEMPLATE_RETRY_SECONDS = 15
 APPLY_RETRY_SECONDS = 10
-RESTORE_GRACE_SECONDS = 10
+# The indexes lag a fresh apply by a moment: a child is not "missing" or "different" until the
+# operator's own last apply is this old.
+RESTORE_GRACE_SECONDS = 5
 DELETION_POLLING_SECONDS = 1.0
 DEFAULT_ENGINE_IMAGE = "llmpool:latest"
 ANNOTATION_PREFIX = "llmpool.dev"
+APPLY_REJECTED = "ApplyRejected"
+CHILD_WATCH_LABELS: Mapping[str, Any] = {
+    naming.POOL_LABEL: kopf.PRESENT,
+    naming.MANAGED_BY_LABEL: naming.FIELD_MANAGER,
+}
 
 
 class ChatTemplateMissing(Exception):
     pass
+
+
+class ChildRejected(Exception):
+    """The API server refused a rendered child (422): retrying the same spec cannot help."""
 
 
 @kopf.on.startup()
@@ -61,9 +93,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # kopf re-checks that every cancellation_polling seconds (60 by default), so a delete
     # landing mid-run would hang `kubectl delete --wait` for a minute.
     settings.background.cancellation_polling = DELETION_POLLING_SECONDS
-    # Watch only the engine pods and Deployments, filtered by the API server.
+    # Watch only the pools' own children, filtered by the API server.
     settings.watching.label_selectors["v1", "pods"] = naming.POOL_LABEL
     settings.watching.label_selectors["apps", "v1", "deployments"] = naming.POOL_LABEL
+    settings.watching.label_selectors["v1", "services"] = naming.POOL_LABEL
+    settings.watching.label_selectors["v1", "configmaps"] = naming.POOL_LABEL
     kube.load_credentials()
     if memo.get("peering_to_create"):
         await kube.ensure_peering(memo["peering_to_create"], list(memo.get("namespaces") or []))
@@ -78,130 +112,68 @@ def engine_pods(
     return {(namespace, labels[naming.POOL_LABEL]): pod_view(body)}
 
 
-@kopf.index(
-    "apps",
-    "v1",
-    "deployments",
-    labels={naming.POOL_LABEL: kopf.PRESENT, naming.MANAGED_BY_LABEL: naming.FIELD_MANAGER},
-)
+@kopf.index("apps", "v1", "deployments", labels=CHILD_WATCH_LABELS)
 def engine_deployments(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> dict[tuple[str | None, str], DeploymentView]:
     return {(namespace, labels[naming.POOL_LABEL]): deployment_view(body)}
 
 
-async def read_chat_template(pool: PoolSpec, namespace: str) -> str | None:
-    ref = pool.chat_template
-    if ref is None:
-        return None
-    template = await kube.read_configmap_key(namespace, ref.name, ref.key)
-    if template is None:
-        raise ChatTemplateMissing(
-            f"chat template ConfigMap {namespace}/{ref.name} with key {ref.key!r} not found"
-        )
-    return template
+@kopf.index("apps", "v1", "deployments", labels=CHILD_WATCH_LABELS)
+def child_deployments(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str | None, str], children.ChildView]:
+    return {(namespace, labels[naming.POOL_LABEL]): children.child_view(body)}
 
 
-async def apply_children(
-    body: kopf.Body, spec: Mapping[str, Any], chat_template: str | None, image: str
-) -> tuple[dict[str, Any], str]:
-    """Render and apply ConfigMap, Service and Deployment; return the pinned dict and digest."""
-    name = body["metadata"]["name"]
-    pool = PoolSpec.from_dict(spec)
-    pinned = pinning.pinned_from_spec(spec, chat_template)
-    digest = pinning.pinned_digest(pinned)
-    children = [
-        render.render_configmap(name, pinned, chat_template),
-        render.render_service(name),
-        render.render_deployment(name, pool, digest, image),
-    ]
-    kopf.adopt(children, owner=body)
-    for child in children:
-        try:
-            await kube.apply(child)
-        except ApiException as error:
-            what = f"applying {child['kind']} {child['metadata']['name']}"
-            if error.status == 422:
-                raise kopf.PermanentError(f"{what}: {error.reason}: {error.body}") from error
-            raise kopf.TemporaryError(
-                f"{what}: {error.status} {error.reason}", delay=APPLY_RETRY_SECONDS
-            ) from error
-    return pinned, digest
+@kopf.index("v1", "services", labels=CHILD_WATCH_LABELS)
+def child_services(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str | None, str], children.ChildView]:
+    return {(namespace, labels[naming.POOL_LABEL]): children.child_view(body)}
 
 
-def replica_change(diff: kopf.Diff) -> tuple[int, int] | None:
-    """``(old, new)`` when an update changed spec.replicas (e.g. `kubectl scale llmpool`)."""
-    for operation, field, old, new in diff:
-        if operation == "change" and tuple(field) == ("spec", "replicas"):
-            return old, new
-    return None
+@kopf.index("v1", "configmaps", labels=CHILD_WATCH_LABELS)
+def child_configmaps(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str | None, str], children.ChildView]:
+    return {(namespace, labels[naming.POOL_LABEL]): children.child_view(body)}
 
 
-def _changed_pinned_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    return [key for key in pinning.PINNED_KEYS if old.get(key) != new.get(key)]
+@dataclass(frozen=True)
+class Observed:
+    """What the indexes hold for one pool: its pods, its Deployment, and its live children."""
+
+    pods: list[PodView]
+    deployment: DeploymentView | None
+    children: dict[str, children.ChildView] = field(default_factory=dict)  # by kind and name
 
 
-async def _reconcile(
-    body: kopf.Body, spec: Mapping[str, Any], status: Mapping[str, Any], memo: kopf.Memo
-) -> dict[str, Any]:
-    """Apply the children for the current spec and template; return the status patch."""
-    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    pool = PoolSpec.from_dict(spec)
-    chat_template = await read_chat_template(pool, namespace)
-    image = memo.get("engine_image") or DEFAULT_ENGINE_IMAGE
-    pinned, digest = await apply_children(body, spec, chat_template, image)
-    memo["applied_at"] = time.monotonic()
-    sizing = size_pool(pool)
-    for problem in sizing.problems:
-        kopf.warn(body, reason="ImpossibleSpec", message=problem)
-
-    previous_digest = status.get("pinnedDigest")
-    if previous_digest is None:
-        kopf.event(
-            body, type="Normal", reason="Reconciled", message=f"engine pods pinned to {digest}"
-        )
-    elif previous_digest != digest:
-        changed = _changed_pinned_fields(status.get("pinned") or {}, pinned) or ["digest"]
-        message = f"pinned {', '.join(changed)} changed: rolling to {digest}"
-        kopf.event(body, type="Normal", reason="RolloutStarted", message=message)
-    new = pool_status.reconciled_status(
-        pool=name,
-        namespace=namespace,
-        generation=body["metadata"].get("generation", 0),
-        pinned=pinned,
-        digest=digest,
-        capacity=sizing.capacity,
+def observed_from_indexes(key: tuple[str, str], **indexes: Any) -> Observed:
+    live: dict[str, children.ChildView] = {}
+    for index in ("child_configmaps", "child_services", "child_deployments"):
+        for view in indexes[index].get(key, []):
+            live[f"{view.kind}/{view.name}"] = view
+    return Observed(
+        pods=list(indexes["engine_pods"].get(key, [])),
+        deployment=next(iter(indexes["engine_deployments"].get(key, [])), None),
+        children=live,
     )
-    return pool_status.status_patch(status, new)
 
 
-@kopf.on.resume(naming.GROUP, naming.VERSION, naming.PLURAL)
-@kopf.on.create(naming.GROUP, naming.VERSION, naming.PLURAL)
-@kopf.on.update(naming.GROUP, naming.VERSION, naming.PLURAL)
-async def reconcile(
-    body: kopf.Body,
-    spec: kopf.Spec,
-    status: kopf.Status,
-    patch: kopf.Patch,
-    memo: kopf.Memo,
-    diff: kopf.Diff,
-    **_: Any,
-) -> None:
-    try:
-        patch.status.update(await _reconcile(body, spec, status, memo))
-        change = replica_change(diff)
-        if change is not None:
-            message = f"replicas {change[0]} -> {change[1]} (pods keep their template)"
-            kopf.event(body, type="Normal", reason="Scaled", message=message)
-    except ChatTemplateMissing as error:
-        kopf.warn(body, reason="ChatTemplateNotFound", message=str(error))
-        raise kopf.TemporaryError(str(error), delay=CHAT_TEMPLATE_RETRY_SECONDS) from error
+def _policy(memo: kopf.Memo) -> admission.Policy:
+    policy = memo.get("policy")
+    if isinstance(policy, admission.Policy):
+        return policy
+    return admission.Policy.default(memo.get("engine_image") or DEFAULT_ENGINE_IMAGE)
 
 
-@kopf.on.delete(naming.GROUP, naming.VERSION, naming.PLURAL, optional=True)
-def forget(name: str, namespace: str | None, **_: Any) -> None:
-    """Children go with the pool (owner references); only the metric series stay behind."""
-    metrics.forget_pool(namespace or "", name)
+def _pool_lock(memo: kopf.Memo) -> asyncio.Lock:
+    """The pool's reconcile lock (kopf's memo is per object and shared by its handlers)."""
+    lock = memo.get("reconcile_lock")
+    if lock is None:
+        lock = memo["reconcile_lock"] = asyncio.Lock()
+    return lock
 
 
 def _now() -> str:
@@ -214,7 +186,7 @@ def _pods_signature(pods: list[PodView]) -> tuple[tuple[str, bool, int], ...]:
 
 
 def _restore_due(memo: kopf.Memo) -> bool:
-    """Whether the last apply is old enough for a missing Deployment to be really missing."""
+    """Whether the last apply is old enough for the indexes to show what it wrote."""
     return time.monotonic() - memo.get("applied_at", float("-inf")) >= RESTORE_GRACE_SECONDS
 
 
@@ -230,70 +202,273 @@ def _drift_check_due(memo: kopf.Memo, pool: PoolSpec, pods: list[PodView]) -> bo
     return due
 
 
+def replica_change(diff: kopf.Diff) -> tuple[int, int] | None:
+    """``(old, new)`` when an update changed spec.replicas (e.g. `kubectl scale llmpool`)."""
+    for operation, field_path, old, new in diff:
+        if operation == "change" and tuple(field_path) == ("spec", "replicas"):
+            return old, new
+    return None
+
+
+def _changed_pinned_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    return [key for key in pinning.PINNED_KEYS if old.get(key) != new.get(key)]
+
+
+async def read_chat_template(
+    pool: PoolSpec, namespace: str, memo: kopf.Memo, fresh: bool
+) -> str | None:
+    """The user's template; re-read only when ``fresh`` (else the last one read, if any)."""
+    ref = pool.chat_template
+    if ref is None:
+        return None
+    cached = memo.get("chat_template")
+    if not fresh and cached is not None and cached[0] == ref:
+        return str(cached[1])
+    template = await kube.read_configmap_key(namespace, ref.name, ref.key)
+    if template is None:
+        raise ChatTemplateMissing(
+            f"chat template ConfigMap {namespace}/{ref.name} with key {ref.key!r} not found"
+        )
+    memo["chat_template"] = (ref, template)
+    return template
+
+
+async def _apply(child: dict[str, Any]) -> None:
+    try:
+        await kube.apply(child)
+    except ApiException as error:
+        what = f"the API server rejected {child['kind']} {child['metadata']['name']}"
+        if error.status == 422:
+            raise ChildRejected(f"{what}: {kube.error_message(error)}") from error
+        raise kopf.TemporaryError(
+            f"applying {child['kind']} {child['metadata']['name']}: {error.status} {error.reason}",
+            delay=APPLY_RETRY_SECONDS,
+        ) from error
+
+
+@dataclass
+class Applied:
+    """What one pass applied: the pin it rendered, and whether it applied all of the spec."""
+
+    pinned: dict[str, Any]
+    digest: str
+    reconciled: bool
+
+
+async def _apply_children(
+    body: kopf.Body, pool: PoolSpec, memo: kopf.Memo, observed: Observed, fresh: bool
+) -> Applied:
+    """Apply every child when the spec or template changed, else those that drifted."""
+    metadata, spec, status = body["metadata"], body["spec"], body.get("status") or {}
+    name, namespace = metadata["name"], metadata["namespace"]
+    generation = metadata.get("generation", 0)
+    chat_template = await read_chat_template(pool, namespace, memo, fresh)
+    pinned = pinning.pinned_from_spec(spec, chat_template)
+    digest = pinning.pinned_digest(pinned)
+    rendered = [
+        render.render_configmap(name, pinned, chat_template),
+        render.render_service(name),
+        render.render_deployment(name, pool, digest, _policy(memo).engine_image),
+    ]
+    kopf.adopt(rendered, owner=body)
+    reconcile = generation > status.get("observedGeneration", 0) or digest != status.get(
+        "pinnedDigest"
+    )
+    rejected = memo.get("rejected")
+    if rejected is not None and rejected[:2] == (generation, digest):
+        raise ChildRejected(rejected[2])  # the same spec again: the same answer
+    due: list[tuple[dict[str, Any], str]] = []
+    if reconcile:
+        due = [(child, "") for child in rendered]
+    elif _restore_due(memo):
+        for child in rendered:
+            key = f"{child['kind']}/{child['metadata']['name']}"
+            why = children.drift_message(
+                child["kind"], child["metadata"]["name"], observed.children.get(key), child
+            )
+            if why:
+                due.append((child, why))
+    try:
+        for child, why in due:
+            await _apply(child)
+            if why:
+                kopf.warn(body, reason=f"{child['kind']}Restored", message=why)
+    except ChildRejected as error:
+        memo["rejected"] = (generation, digest, str(error))
+        raise
+    finally:
+        if due:
+            memo["applied_at"] = time.monotonic()
+    memo.pop("rejected", None)
+    return Applied(pinned=pinned, digest=digest, reconciled=reconcile)
+
+
+def _reconciled_events(body: kopf.Body, status: Mapping[str, Any], applied: Applied) -> None:
+    previous_digest = status.get("pinnedDigest")
+    if previous_digest is None:
+        message = f"engine pods pinned to {applied.digest}"
+        kopf.event(body, type="Normal", reason="Reconciled", message=message)
+    elif previous_digest != applied.digest:
+        changed = _changed_pinned_fields(status.get("pinned") or {}, applied.pinned) or ["digest"]
+        message = f"pinned {', '.join(changed)} changed: rolling to {applied.digest}"
+        kopf.event(body, type="Normal", reason="RolloutStarted", message=message)
+
+
 async def _check_drift(
-    *,
-    body: kopf.Body,
-    spec: Mapping[str, Any],
-    status: Mapping[str, Any],
-    memo: kopf.Memo,
-    pods: list[PodView],
-    patch: kopf.Patch,
-) -> tuple[list[drift.DriftEntry], int, str]:
-    """Fingerprint the ready pods; re-render first if the user's chat template changed.
-
-    Returns the drift entries, how many replicas answered, and the current digest.
-    """
+    body: kopf.Body, pods: list[PodView], pinned: Mapping[str, Any], digest: str
+) -> tuple[list[drift.DriftEntry], int]:
+    """Fingerprint the ready pods: the drift entries, and how many replicas answered."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    pool = PoolSpec.from_dict(spec)
-    chat_template = await read_chat_template(pool, namespace)
-    expected = pinning.pinned_from_spec(spec, chat_template)
-    digest = pinning.pinned_digest(expected)
-    if digest != status.get("pinnedDigest"):
-        # The spec is unchanged (its generation was reconciled), so the template changed.
-        patch.status.update(await _reconcile(body, spec, status, memo))
-
     report = await fingerprints.fetch_fingerprints(pods)
     for pod, why in report.unreachable.items():
         # Logged, not an Event: a pod on its way down would raise one every interval.
         metrics.FINGERPRINT_ERRORS.labels(namespace, name).inc()
         logger.warning("%s/%s: GET /fingerprint of pod %s failed: %s", namespace, name, pod, why)
-    entries = drift.classify_drift(report.fingerprints, expected, digest)
-
-    already_reported = {entry.get("pod") for entry in status.get("drift") or []}
+    entries = drift.classify_drift(report.fingerprints, pinned, digest)
+    already_reported = {entry.get("pod") for entry in (body.get("status") or {}).get("drift") or []}
     for entry in entries:
         if entry.pod not in already_reported:
             message = f"pod {entry.pod}: {entry.field} is {entry.actual}, expected {entry.expected}"
             kopf.warn(body, reason="DriftDetected", message=message)
-    return entries, len(report.fingerprints), digest
+    return entries, len(report.fingerprints)
 
 
-async def _recreate_drifted(
-    *,
-    body: kopf.Body,
-    spec: Mapping[str, Any],
-    memo: kopf.Memo,
-    entries: list[drift.DriftEntry],
-    pods: list[PodView],
-    digest: str,
-    rollout: pool_status.Rollout,
+async def converge(
+    *, namespace: str, name: str, uid: str, memo: kopf.Memo, observed: Observed
 ) -> None:
+    """The one reconcile path: under the pool's lock, from the live pool."""
+    async with _pool_lock(memo):
+        live = await kube.read_pool(namespace, name)
+        if live is None or live["metadata"].get("uid") != uid:
+            return  # deleted (or deleted and created again: that one has its own handlers)
+        if live["metadata"].get("deletionTimestamp"):
+            return  # children go with the pool (owner references)
+        await _converge(kopf.Body(cast(kopf.RawBody, live)), memo, observed)
+
+
+async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> None:
+    metadata, spec, status = body["metadata"], body["spec"], body.get("status") or {}
+    name, namespace = metadata["name"], metadata["namespace"]
+    generation = metadata.get("generation", 0)
     pool = PoolSpec.from_dict(spec)
-    victims = drift.pods_to_recreate(
-        entries,
-        pods,
-        digest=digest,
+    policy = _policy(memo)
+    pods = owned_pods(observed.pods, naming.deployment_name(name))
+    sizing = size_pool(pool)
+    problems = list(sizing.problems)
+    new_status: dict[str, Any] = {}
+    reconciled = status.get("observedGeneration", 0) >= generation
+    digest = status.get("pinnedDigest")
+    pinned: Mapping[str, Any] = status.get("pinned") or {}
+    attempts = int(status.get("driftRecreations") or 0)
+    check_due = reconciled and digest is not None and _drift_check_due(memo, pool, pods)
+
+    blocked = admission.refusal(pool, policy)
+    if blocked is None:
+        try:
+            applied = await _apply_children(
+                body, pool, memo, observed, fresh=check_due or not reconciled
+            )
+        except ChatTemplateMissing as error:
+            problems.append(str(error))
+        except ChildRejected as error:
+            blocked = admission.Refusal(APPLY_REJECTED, str(error))
+        else:
+            if applied.reconciled:
+                _reconciled_events(body, status, applied)
+                for problem in sizing.problems:
+                    kopf.warn(body, reason="ImpossibleSpec", message=problem)
+                if applied.digest != digest:
+                    attempts = 0  # a new pin deserves its own recreations
+                new_status.update(
+                    pool_status.reconciled_status(
+                        pool=name,
+                        namespace=namespace,
+                        generation=generation,
+                        pinned=applied.pinned,
+                        digest=applied.digest,
+                        capacity=sizing.capacity,
+                    )
+                )
+                reconciled = True
+            digest, pinned = applied.digest, applied.pinned
+
+    entries: list[drift.DriftEntry] | None = None
+    checked = 0
+    if check_due and blocked is None and digest is not None:
+        entries, checked = await _check_drift(body, pods, pinned, digest)
+
+    victims: list[str] = []
+    gave_up: str | None = None
+    if pool.drift_policy == "Recreate" and digest is not None:
+        if entries is not None:
+            rollout = pool_status.rollout_state(
+                observed.deployment,
+                pods,
+                digest=digest,
+                replicas=pool.replicas,
+                reconciled=reconciled,
+            )
+            candidates = drift.pods_to_recreate(
+                entries,
+                pods,
+                digest=digest,
+                replicas=pool.replicas,
+                max_unavailable=pool.max_unavailable,
+                rollout_in_progress=rollout.in_progress,
+            )
+            remediation = drift.remediate(
+                entries,
+                candidates,
+                checked=checked,
+                replicas=pool.replicas,
+                attempts=attempts,
+                max_attempts=policy.max_drift_recreations,
+            )
+            victims, attempts, gave_up = (
+                remediation.victims,
+                remediation.attempts,
+                remediation.gave_up,
+            )
+        elif attempts >= policy.max_drift_recreations and status.get("drift"):
+            gave_up = drift.persists_message(drift.entries_from_status(status["drift"]), attempts)
+    elif entries == [] and checked >= pool.replicas:
+        attempts = 0
+
+    observation = pool_status.Observation(
+        pool=name,
+        revision=pool.revision,
+        generation=generation,
+        reconciled_generation=generation if reconciled else status.get("observedGeneration", 0),
         replicas=pool.replicas,
-        max_unavailable=pool.max_unavailable,
-        rollout_in_progress=rollout.in_progress,
+        digest=digest or "",
+        deployment=observed.deployment,
+        pods=pods,
+        problems=problems,
+        drift=entries,
+        checked_replicas=checked,
+        blocked=blocked,
+        drift_persists=gave_up,
     )
-    if not victims:
-        return
-    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    # Restore the children first, so that the replacement mounts the pinned template again.
-    chat_template = await read_chat_template(pool, namespace)
-    await apply_children(
-        body, spec, chat_template, memo.get("engine_image") or DEFAULT_ENGINE_IMAGE
-    )
+    new_status.update(pool_status.compute_status(observation, status, now=_now()))
+    new_status["driftRecreations"] = attempts
+    patch = pool_status.status_patch(status, new_status)
+    if patch:
+        await kube.patch_pool_status(namespace, name, patch)
+    events = conditions.transition_events(status.get("conditions") or [], new_status["conditions"])
+    for event in events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    # A refusal that replaces another Degraded reason flips no status: say it anyway.
+    previous_degraded = conditions.find(status.get("conditions") or [], conditions.DEGRADED) or {}
+    if (
+        blocked
+        and previous_degraded.get("reason") != blocked.reason
+        and not any(event.reason == blocked.reason for event in events)
+    ):
+        kopf.warn(body, reason=blocked.reason, message=blocked.message)
+
+    metrics.READY_REPLICAS.labels(namespace, name).set(new_status["readyReplicas"])
+    if entries is not None:
+        metrics.DRIFTED_REPLICAS.labels(namespace, name).set(len(drift.drifted_pods(entries)))
     uids = {p.name: p.uid for p in pods}
     for pod in victims:
         if await kube.delete_pod(namespace, pod, uids[pod]):
@@ -301,86 +476,30 @@ async def _recreate_drifted(
             kopf.warn(body, reason="RecreatingDriftedPod", message=f"deleted drifted pod {pod}")
 
 
+@kopf.on.resume(naming.GROUP, naming.VERSION, naming.PLURAL)
+@kopf.on.create(naming.GROUP, naming.VERSION, naming.PLURAL)
+@kopf.on.update(naming.GROUP, naming.VERSION, naming.PLURAL)
+async def reconcile(
+    body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, diff: kopf.Diff, **kwargs: Any
+) -> None:
+    namespace, name = meta["namespace"], meta["name"]
+    observed = observed_from_indexes((namespace, name), **kwargs)
+    await converge(namespace=namespace, name=name, uid=meta["uid"], memo=memo, observed=observed)
+    change = replica_change(diff)
+    if change is not None:
+        message = f"replicas {change[0]} -> {change[1]} (pods keep their template)"
+        kopf.event(body, type="Normal", reason="Scaled", message=message)
+
+
+@kopf.on.delete(naming.GROUP, naming.VERSION, naming.PLURAL, optional=True)
+def forget(name: str, namespace: str | None, **_: Any) -> None:
+    """Children go with the pool (owner references); only the metric series stay behind."""
+    metrics.forget_pool(namespace or "", name)
+
+
 # kopf passes indexes as keyword arguments named after them, beyond its typed protocol.
 @kopf.timer(naming.GROUP, naming.VERSION, naming.PLURAL, interval=STATUS_INTERVAL_SECONDS)  # type: ignore[arg-type]
-async def observe(
-    body: kopf.Body,
-    spec: kopf.Spec,
-    status: kopf.Status,
-    meta: kopf.Meta,
-    patch: kopf.Patch,
-    memo: kopf.Memo,
-    engine_pods: kopf.Index[tuple[str, str], PodView],
-    engine_deployments: kopf.Index[tuple[str, str], DeploymentView],
-    **_: Any,
-) -> None:
-    digest = status.get("pinnedDigest")
-    if not digest:
-        return  # not reconciled yet
-    name, namespace = meta["name"], meta["namespace"]
-    pool = PoolSpec.from_dict(spec)
-    key = (namespace, name)
-    pods = list(engine_pods.get(key, []))
-    deployment = next(iter(engine_deployments.get(key, [])), None)
-    generation = meta.get("generation", 0)
-    reconciled_generation = status.get("observedGeneration", 0)
-    problems = list(size_pool(pool).problems)
-    reconciled = reconciled_generation >= generation
-
-    if deployment is None and reconciled and _restore_due(memo):
-        # Someone deleted the engine Deployment: put it back (the index lags a fresh apply,
-        # hence the grace period).
-        kopf.warn(body, reason="DeploymentRestored", message="the engine Deployment was missing")
-        try:
-            patch.status.update(await _reconcile(body, spec, status, memo))
-        except ChatTemplateMissing as error:
-            problems.append(str(error))
-
-    entries: list[drift.DriftEntry] | None = None
-    checked = 0
-    if reconciled and _drift_check_due(memo, pool, pods):
-        try:
-            entries, checked, digest = await _check_drift(
-                body=body, spec=spec, status=status, memo=memo, pods=pods, patch=patch
-            )
-        except ChatTemplateMissing as error:
-            problems.append(str(error))
-
-    observation = pool_status.Observation(
-        pool=name,
-        revision=pool.revision,
-        generation=generation,
-        reconciled_generation=reconciled_generation,
-        replicas=pool.replicas,
-        digest=digest,
-        deployment=deployment,
-        pods=pods,
-        problems=problems,
-        drift=entries,
-        checked_replicas=checked,
-    )
-    new = pool_status.compute_status(observation, status, now=_now())
-    patch.status.update(pool_status.status_patch(status, new))
-    for event in conditions.transition_events(status.get("conditions") or [], new["conditions"]):
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-
-    metrics.READY_REPLICAS.labels(namespace, name).set(new["readyReplicas"])
-    if entries is not None:
-        metrics.DRIFTED_REPLICAS.labels(namespace, name).set(len(drift.drifted_pods(entries)))
-        if entries and pool.drift_policy == "Recreate":
-            rollout = pool_status.rollout_state(
-                deployment,
-                pods,
-                digest=digest,
-                replicas=pool.replicas,
-                reconciled=reconciled,
-            )
-            await _recreate_drifted(
-                body=body,
-                spec=spec,
-                memo=memo,
-                entries=entries,
-                pods=pods,
-                digest=digest,
-                rollout=rollout,
-            )
+async def observe(meta: kopf.Meta, memo: kopf.Memo, **kwargs: Any) -> None:
+    namespace, name = meta["namespace"], meta["name"]
+    observed = observed_from_indexes((namespace, name), **kwargs)
+    await converge(namespace=namespace, name=name, uid=meta["uid"], memo=memo, observed=observed)

@@ -6,9 +6,10 @@ The official client is synchronous; every call runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import kubernetes
 from kubernetes.client import ApiException
@@ -18,6 +19,7 @@ from llmpool.operator import naming
 logger = logging.getLogger(__name__)
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+MERGE_PATCH_CONTENT_TYPE = "application/merge-patch+json"
 
 
 def load_credentials() -> None:
@@ -50,6 +52,52 @@ async def apply(obj: dict[str, Any]) -> None:
         field_manager=naming.FIELD_MANAGER,
         force=True,
         _content_type=APPLY_CONTENT_TYPE,
+    )
+
+
+def error_message(error: ApiException) -> str:
+    """The API server's own explanation (the Status object's message), else the HTTP reason."""
+    try:
+        status = json.loads(error.body or "")
+    except (TypeError, ValueError):
+        status = None
+    if isinstance(status, dict) and status.get("message"):
+        return str(status["message"])
+    return f"{error.status} {error.reason}"
+
+
+async def read_pool(namespace: str, name: str) -> dict[str, Any] | None:
+    """The live LLMPool (None once it is gone): every reconcile decides from this, never from
+    the possibly older body a kopf handler or timer was started with."""
+    custom = kubernetes.client.CustomObjectsApi()
+    try:
+        pool = await asyncio.to_thread(
+            custom.get_namespaced_custom_object,
+            naming.GROUP,
+            naming.VERSION,
+            namespace,
+            naming.PLURAL,
+            name,
+        )
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return cast(dict[str, Any], pool)
+
+
+async def patch_pool_status(namespace: str, name: str, patch: dict[str, Any]) -> None:
+    """JSON merge patch of the status subresource."""
+    custom = kubernetes.client.CustomObjectsApi()
+    await asyncio.to_thread(
+        custom.patch_namespaced_custom_object_status,
+        naming.GROUP,
+        naming.VERSION,
+        namespace,
+        naming.PLURAL,
+        name,
+        {"status": patch},
+        _content_type=MERGE_PATCH_CONTENT_TYPE,
     )
 
 

@@ -10,6 +10,8 @@ import random
 
 import kopf
 
+from llmpool.operator import admission
+
 DEFAULT_PEERING_NAME = "llmpool-operator"
 
 
@@ -37,6 +39,50 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-image",
         default=os.environ.get("LLMPOOL_ENGINE_IMAGE", "llmpool:latest"),
         help="engine image for pools that name none (env LLMPOOL_ENGINE_IMAGE)",
+    )
+    parser.add_argument(
+        "--allowed-image",
+        action="append",
+        dest="allowed_images",
+        metavar="PREFIX",
+        help=(
+            "an engine image pools may name in spec.image: a repository (any tag or digest) or a "
+            "prefix ending in '/'; repeat for several (env LLMPOOL_ALLOWED_IMAGES, "
+            "comma-separated); default: the repository of --engine-image"
+        ),
+    )
+    parser.add_argument(
+        "--allow-host-path-models",
+        action="store_true",
+        default=os.environ.get("LLMPOOL_ALLOW_HOST_PATH_MODELS", "").lower() in ("1", "true"),
+        help=(
+            "let file:// model sources mount node paths under an --allowed-host-path-prefix "
+            "(env LLMPOOL_ALLOW_HOST_PATH_MODELS=true); refused otherwise"
+        ),
+    )
+    parser.add_argument(
+        "--allowed-host-path-prefix",
+        action="append",
+        dest="allowed_host_path_prefixes",
+        metavar="PATH",
+        help=(
+            "a node directory file:// sources may lie under; repeat for several (env "
+            "LLMPOOL_ALLOWED_HOST_PATH_PREFIXES, comma-separated)"
+        ),
+    )
+    parser.add_argument(
+        "--max-drift-recreations",
+        type=int,
+        default=int(
+            os.environ.get(
+                "LLMPOOL_MAX_DRIFT_RECREATIONS", str(admission.DEFAULT_MAX_DRIFT_RECREATIONS)
+            )
+        ),
+        metavar="N",
+        help=(
+            "policy Recreate deletes at most N drifted pods until a check finds the pool "
+            "drift-free, then sets Degraded/DriftPersists (env LLMPOOL_MAX_DRIFT_RECREATIONS)"
+        ),
     )
     parser.add_argument(
         "--liveness-port",
@@ -85,6 +131,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def policy_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> admission.Policy:
+    """The admission policy of the flags; contradictory flags end the program with a usage error."""
+    # Flags replace the environment's lists (argparse would append to a list default).
+    prefixes = tuple(
+        args.allowed_host_path_prefixes or _env_list("LLMPOOL_ALLOWED_HOST_PATH_PREFIXES")
+    )
+    images = tuple(args.allowed_images or _env_list("LLMPOOL_ALLOWED_IMAGES"))
+    if args.allow_host_path_models and not prefixes:
+        parser.error("--allow-host-path-models needs at least one --allowed-host-path-prefix")
+    relative = [prefix for prefix in prefixes if not prefix.startswith("/")]
+    if relative:
+        parser.error(f"--allowed-host-path-prefix must be absolute, got {', '.join(relative)}")
+    if args.max_drift_recreations < 0:
+        parser.error(f"--max-drift-recreations must be 0 or more, got {args.max_drift_recreations}")
+    default = admission.Policy.default(args.engine_image)
+    return admission.Policy(
+        engine_image=args.engine_image,
+        allowed_images=images or default.allowed_images,
+        allow_host_path_models=args.allow_host_path_models,
+        allowed_host_path_prefixes=prefixes,
+        max_drift_recreations=args.max_drift_recreations,
+    )
+
+
 class TimerSuccessFilter(logging.Filter):
     """Drop kopf's "Timer 'observe' succeeded." line: it would repeat every few seconds."""
 
@@ -93,7 +167,9 @@ class TimerSuccessFilter(logging.Filter):
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    policy = policy_from_args(parser, args)
     from llmpool.operator import handlers  # noqa: F401  (registers the handlers with kopf)
 
     kopf.configure(verbose=args.verbose, debug=args.debug, quiet=args.quiet)
@@ -107,6 +183,7 @@ def main(argv: list[str]) -> int:
     )
     memo = kopf.Memo(
         engine_image=args.engine_image,
+        policy=policy,
         metrics_port=args.metrics_port,
         peering_to_create=None if args.standalone or args.no_create_peering else args.peering,
         namespaces=args.namespaces or [],

@@ -48,12 +48,17 @@ NAMESPACED_RULES = (
         ("list", "watch", "create", "patch"),
         "server-side apply of engine Deployments; watch them for status",
     ),
-    Rule(("",), ("services",), ("create", "patch"), "server-side apply of the pool's Service"),
+    Rule(
+        ("",),
+        ("services",),
+        ("list", "watch", "create", "patch"),
+        "server-side apply of the pool's Service; watch it to restore it",
+    ),
     Rule(
         ("",),
         ("configmaps",),
-        ("get", "create", "patch"),
-        "read the user's chat template; server-side apply of the pool's copy",
+        ("get", "list", "watch", "create", "patch"),
+        "read the user's chat template; server-side apply of the pool's copy; watch it to restore it",
     ),
     Rule(
         ("",),

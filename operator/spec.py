@@ -66,6 +66,7 @@ class PoolSpec:
     max_model_len: int = pinning.DEFAULT_MAX_MODEL_LEN
     engine: EngineSettings = field(default_factory=EngineSettings)
     priority_class: str = DEFAULT_PRIORITY_CLASS
+    max_request_priority: str | None = None  # None: priority_class
     drift_policy: str = DEFAULT_DRIFT_POLICY
     drift_interval_seconds: int = DEFAULT_DRIFT_INTERVAL_SECONDS
     max_unavailable: int = DEFAULT_MAX_UNAVAILABLE
@@ -97,6 +98,7 @@ class PoolSpec:
             max_model_len=spec.get("maxModelLen", pinning.DEFAULT_MAX_MODEL_LEN),
             engine=EngineSettings.from_dict(spec.get("engine") or {}),
             priority_class=spec.get("priorityClass", DEFAULT_PRIORITY_CLASS),
+            max_request_priority=spec.get("maxRequestPriority"),
             drift_policy=drift.get("policy", DEFAULT_DRIFT_POLICY),
             drift_interval_seconds=drift.get("intervalSeconds", DEFAULT_DRIFT_INTERVAL_SECONDS),
             max_unavailable=rollout.get("maxUnavailable", DEFAULT_MAX_UNAVAILABLE),

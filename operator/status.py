@@ -8,14 +8,16 @@ from typing import Any
 
 from llmpool.operator import conditions as cond
 from llmpool.operator import naming
+from llmpool.operator.admission import Refusal
 from llmpool.operator.drift import DriftEntry, drifted_pods
-from llmpool.operator.views import DeploymentView, PodView, Termination
+from llmpool.operator.views import DeploymentView, PodView, Termination, owned_pods
 
 # The engine writes "RevisionMismatch: ..." to its termination log and exits with code 3 when
 # the model files it loads do not match spec.model.revision.
 REVISION_MISMATCH_EXIT_CODE = 3
 REVISION_MISMATCH_PREFIX = "RevisionMismatch"
 MAX_MESSAGE_ITEMS = 5
+DRIFT_PERSISTS = "DriftPersists"
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ def degraded_condition(
     deployment: DeploymentView | None,
     problems: Sequence[str],
     revision: str,
+    drift_persists: str | None = None,
 ) -> cond.Condition:
     """Degraded, with the most specific reason first: a revision mismatch explains a crash loop."""
     mismatched = [
@@ -113,6 +116,8 @@ def degraded_condition(
         return cond.Condition(cond.DEGRADED, "True", "CrashLoopBackOff", message)
     if problems:
         return cond.Condition(cond.DEGRADED, "True", "InvalidConfiguration", "; ".join(problems))
+    if drift_persists:
+        return cond.Condition(cond.DEGRADED, "True", DRIFT_PERSISTS, drift_persists)
     if deployment is not None and deployment.progress_deadline_exceeded:
         message = "the engine Deployment exceeded its progress deadline"
         return cond.Condition(cond.DEGRADED, "True", "ProgressDeadlineExceeded", message)
@@ -161,15 +166,21 @@ class Observation:
     # None: no fingerprint check this time; keep the previous drift report.
     drift: Sequence[DriftEntry] | None = None
     checked_replicas: int = 0
+    # Why the operator does not apply the spec at all (a refused image or host path, or the
+    # API server rejecting a child): the pool is then neither Ready nor Progressing.
+    blocked: Refusal | None = None
+    # Set when policy Recreate gave up: what still differs after the allowed recreations.
+    drift_persists: str | None = None
 
 
 def compute_status(
     observation: Observation, previous: Mapping[str, Any], *, now: str
 ) -> dict[str, Any]:
     """The status fields the observation decides (a subset of status; merge into it)."""
+    pods = owned_pods(observation.pods, naming.deployment_name(observation.pool))
     rollout = rollout_state(
         observation.deployment,
-        observation.pods,
+        pods,
         digest=observation.digest,
         replicas=observation.replicas,
         reconciled=observation.reconciled_generation >= observation.generation,
@@ -178,9 +189,20 @@ def compute_status(
         ready_condition(rollout, observation.replicas),
         progressing_condition(rollout),
         degraded_condition(
-            observation.pods, observation.deployment, observation.problems, observation.revision
+            pods,
+            observation.deployment,
+            observation.problems,
+            observation.revision,
+            observation.drift_persists,
         ),
     ]
+    if observation.blocked is not None:
+        reason, message = observation.blocked.reason, observation.blocked.message
+        desired = [
+            cond.Condition(cond.READY, "False", reason, message),
+            cond.Condition(cond.PROGRESSING, "False", reason, message),
+            cond.Condition(cond.DEGRADED, "True", reason, message),
+        ]
     if observation.drift is not None:
         desired.append(drifted_condition(observation.drift, observation.checked_replicas))
     elif cond.find(previous.get("conditions") or [], cond.DRIFTED) is None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from llmpool.operator import naming
+
+# Set by the Deployment controller on every pod of a ReplicaSet it created.
+POD_TEMPLATE_HASH_LABEL = "pod-template-hash"
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,16 @@ class PodView:
     waiting_reason: str | None = None
     terminated: Termination | None = None
     last_terminated: Termination | None = None
+    # The ReplicaSet that controls the pod (ownerReferences), and the pod-template-hash label
+    # its Deployment gave it: together they tell the pool's own pods from look-alikes.
+    replica_set: str | None = None
+    template_hash: str | None = None
+
+    def belongs_to(self, deployment: str) -> bool:
+        """Whether a ReplicaSet of Deployment ``deployment`` controls this pod."""
+        if self.replica_set is None or self.template_hash is None:
+            return False
+        return self.replica_set == f"{deployment}-{self.template_hash}"
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,15 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         waiting_reason=(state.get("waiting") or {}).get("reason"),
         terminated=_termination(state),
         last_terminated=_termination(engine.get("lastState")),
+        replica_set=next(
+            (
+                ref.get("name")
+                for ref in metadata.get("ownerReferences") or []
+                if ref.get("kind") == "ReplicaSet" and ref.get("controller")
+            ),
+            None,
+        ),
+        template_hash=(metadata.get("labels") or {}).get(POD_TEMPLATE_HASH_LABEL),
     )
 
 
@@ -97,3 +119,9 @@ def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
             for c in status.get("conditions") or []
         ),
     )
+
+
+def owned_pods(pods: Sequence[PodView], deployment: str) -> list[PodView]:
+    """The pods of ``deployment``'s ReplicaSets: a pod that merely carries the pool label (a
+    copy made for debugging, say) is neither counted, fingerprinted nor deleted."""
+    return [p for p in pods if p.belongs_to(deployment)]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# mypy on the engine core and the operator. pyproject maps the folders engine/ and operator/ to
-# llmpool.engine and llmpool.operator, which mypy cannot follow, so it checks a tree of symlinks
-# laid out as the installed package is.
+# mypy on the engine core, the operator and the gateway. pyproject maps the folders engine/,
+# operator/ and gateway/ to llmpool.engine, llmpool.operator and llmpool.gateway, which mypy
+# cannot follow, so it checks a tree of symlinks laid out as the installed package is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tree=build/typecheck
@@ -9,9 +9,11 @@ rm -rf "$tree" && mkdir -p "$tree/llmpool"
 for path in llmpool/*; do ln -s "$PWD/$path" "$tree/llmpool/"; done
 ln -s "$PWD/engine" "$tree/llmpool/engine"
 ln -s "$PWD/operator" "$tree/llmpool/operator"
+ln -s "$PWD/gateway" "$tree/llmpool/gateway"
 cd "$tree"
 mypy --ignore-missing-imports --follow-imports=silent \
-  -p llmpool.operator \
+  -p llmpool.operator -p llmpool.gateway \
   -m llmpool.engine.scheduler -m llmpool.engine.kv_cache_manager -m llmpool.engine.block_pool \
   -m llmpool.engine.request -m llmpool.engine.engine_core -m llmpool.engine.model_runner \
-  -m llmpool.engine.attention.torch_backend -m llmpool.engine.models.linear
+  -m llmpool.engine.attention.torch_backend -m llmpool.engine.models.linear \
+  -m llmpool.engine.admission -m llmpool.engine.sampler -m llmpool.engine.sampling_params

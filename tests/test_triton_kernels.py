@@ -31,8 +31,15 @@ pytest.importorskip("triton", reason="triton is not installed; the CUDA kernels 
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("LLMPOOL_KERNEL_TEST_DEVICE=cuda but no GPU is visible", allow_module_level=True)
 
-from llmpool.engine.attention import TORCH, AttentionMetadata, select_backend  # noqa: E402
+from llmpool.engine.attention import (  # noqa: E402
+    TORCH,
+    AttentionMetadata,
+    check_fp8_capability,
+    check_kv_cache_dtype,
+    select_backend,
+)
 from llmpool.engine.attention.triton_backend import TRITON  # noqa: E402
+from llmpool.engine.models.quantization import FP8_DTYPE, quantize_fp8  # noqa: E402
 
 DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get
 # fp32 must agree to rounding-order noise; fp16 rounds the softmax probabilities to fp16
@@ -98,7 +105,14 @@ def _check_attention(
     head_dim: int = HEAD_DIM,
     seed: int = 0,
     num_splits: int | None = None,
+    fp8_scales: tuple[float, float] | None = None,
 ) -> None:
+    """Triton against torch on one random cache; ``fp8_scales`` makes it an fp8 cache.
+
+    An fp8 cache holds K and V of unit size divided by ``(k_scale, v_scale)``; both backends
+    get the scales, and the torch result is first checked against attention over the
+    dequantized cache, so a scale applied twice or not at all fails either way.
+    """
     meta, num_blocks = _batch(query_lens, seq_lens, block_size, device, seed)
     generator = torch.Generator().manual_seed(seed)
 
@@ -109,10 +123,26 @@ def _check_attention(
     key_cache, value_cache = randn(*cache_shape), randn(*cache_shape)
     query = randn(meta.num_tokens, NUM_KV_HEADS * queries_per_kv, head_dim)
     scale = head_dim**-0.5
+    k_scale, v_scale = fp8_scales or (1.0, 1.0)
+    if fp8_scales:
+        key_cache, value_cache = (
+            quantize_fp8(key_cache, k_scale),
+            quantize_fp8(value_cache, v_scale),
+        )
 
-    expected = TORCH.paged_attention(query, key_cache, value_cache, TORCH.plan(meta), scale)
+    torch_plan = TORCH.plan(meta)
+    expected = TORCH.paged_attention(
+        query, key_cache, value_cache, torch_plan, scale, k_scale, v_scale
+    )
+    if fp8_scales:
+        dequantized = [
+            (cache.float() * s).to(dtype)
+            for cache, s in ((key_cache, k_scale), (value_cache, v_scale))
+        ]
+        reference = TORCH.paged_attention(query, *dequantized, torch_plan, scale)
+        torch.testing.assert_close(expected, reference, **ATTENTION_TOL[dtype])
     plan = dataclasses.replace(TRITON.plan(meta), num_splits=num_splits)
-    actual = TRITON.paged_attention(query, key_cache, value_cache, plan, scale)
+    actual = TRITON.paged_attention(query, key_cache, value_cache, plan, scale, k_scale, v_scale)
     torch.testing.assert_close(actual, expected, **ATTENTION_TOL[dtype])
 
 
@@ -244,6 +274,114 @@ def test_paged_attention_odd_head_dim_and_bf16(dtype: torch.dtype, device: torch
     )
 
 
+# Scales far from 1, as calibrated scales of a layer with small or large activations would be.
+FP8_SCALES = (0.02, 3.5)
+# (query_lens, seq_lens, queries_per_kv, num_splits): a whole prompt, a prefill chunk after
+# cached context, and decodes on and past a block end, without and with GQA; then decodes only
+# (the shortest query tile) over contexts cut into 3 stretches.
+FP8_BATCHES = {
+    "prefill-decode": ([1, 16, 6, 1], [1, 16, 37, 33], 1, None),
+    "prefill-decode-gqa4": ([1, 16, 6, 1], [1, 16, 37, 33], 4, None),
+    "decode-gqa3-split3": ([1, 1, 1], [5, 16, 41], 3, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=DTYPE_ID)
+@pytest.mark.parametrize("batch", FP8_BATCHES.values(), ids=FP8_BATCHES.keys())
+def test_paged_attention_fp8_cache(
+    dtype: torch.dtype, batch: tuple[list[int], list[int], int, int | None], device: torch.device
+) -> None:
+    query_lens, seq_lens, queries_per_kv, num_splits = batch
+    _check_attention(
+        query_lens,
+        seq_lens,
+        dtype=dtype,
+        queries_per_kv=queries_per_kv,
+        block_size=16,
+        device=device,
+        seed=6,
+        num_splits=num_splits,
+        fp8_scales=FP8_SCALES,
+    )
+
+
+@pytest.mark.slow
+def test_engine_with_fp8_cache_on_triton_matches_the_torch_backend(device: torch.device) -> None:
+    # The real model end to end (a prefill and a decode through every layer's kernels), in
+    # float32 so that the two backends differ by rounding order only. Measured on CPU: the
+    # log-probabilities agree to 5e-6; the bound leaves room for an fp8 rounding flip.
+    from llmpool.engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=2, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            model=None,
+            device=device.type,
+            dtype="float32",
+            kv_cache_dtype="fp8",
+            attention_backend=backend,
+            max_model_len=64,
+            num_kv_blocks=8,
+        )
+        assert llm.engine.kv_caches[0][0].dtype == FP8_DTYPE
+        outputs[backend] = llm.generate("The capital of France is", params)[0].outputs[0]
+    expected, actual = outputs["torch"], outputs["triton"]
+    assert actual.token_ids == expected.token_ids
+    assert expected.logprobs is not None and actual.logprobs is not None
+    for token, expected_top, actual_top in zip(
+        expected.token_ids, expected.logprobs, actual.logprobs, strict=True
+    ):
+        assert actual_top[token] == pytest.approx(expected_top[token], abs=2e-2)
+
+
+def test_fp8_cache_on_triton_needs_compute_capability_8_9(device: torch.device) -> None:
+    check_kv_cache_dtype(TRITON, FP8_DTYPE, device)  # the CPU interpreter and Hopper have e4m3
+    check_fp8_capability((8, 9), "NVIDIA L4")
+    with pytest.raises(ValueError, match=r"8\.9 or newer .*A100-SXM4-80GB has 8\.0"):
+        check_fp8_capability((8, 0), "NVIDIA A100-SXM4-80GB")
+
+
+@pytest.mark.parametrize(("capability", "expected"), [((8, 0), "torch"), ((9, 0), "triton")])
+def test_auto_runs_an_fp8_cache_on_torch_where_triton_lacks_e4m3(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], expected: str
+) -> None:
+    """kvCacheDtype fp8 is accepted for any GPU pool, so the engine must start on any GPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda")
+    assert select_backend(cuda, "auto", FP8_DTYPE).name == expected
+    assert select_backend(cuda, "auto", torch.bfloat16).name == "triton"
+
+
+def test_scales_are_refused_for_a_cache_in_the_model_dtype(device: torch.device) -> None:
+    cache = torch.zeros(1, 16, NUM_KV_HEADS, HEAD_DIM, device=device)
+    key = torch.ones(1, NUM_KV_HEADS, HEAD_DIM, device=device)
+    slots = torch.zeros(1, dtype=torch.int64, device=device)
+    for backend in (TORCH, TRITON):
+        with pytest.raises(ValueError, match="fp8 cache only"):
+            backend.write_kv(key, key, cache, cache, slots, 0.5, 1.0)
+
+
+def _write_with_both_backends(
+    qkv: torch.Tensor,
+    slots: torch.Tensor,
+    cache_shape: tuple[int, ...],
+    cache_dtype: torch.dtype | None = None,
+    scales: tuple[float, float] = (1.0, 1.0),
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (K, V) caches that the torch and then the Triton write_kv fill from ``qkv``'s K and V."""
+    key, value = qkv[:, NUM_KV_HEADS : 2 * NUM_KV_HEADS], qkv[:, 2 * NUM_KV_HEADS :]
+    written = []
+    for backend in (TORCH, TRITON):
+        key_cache, value_cache = (
+            torch.zeros(cache_shape, dtype=cache_dtype or qkv.dtype, device=qkv.device)
+            for _ in range(2)
+        )
+        backend.write_kv(key, value, key_cache, value_cache, slots, *scales)
+        written.append((key_cache, value_cache))
+    return written
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=DTYPE_ID)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_write_kv_matches_reference(
@@ -257,20 +395,33 @@ def test_write_kv_matches_reference(
     slots = slots.to(device)
     # K and V as views into a fused QKV projection output, as the model produces them.
     qkv = torch.randn(num_tokens, 3 * NUM_KV_HEADS, HEAD_DIM, generator=generator)
-    qkv = qkv.to(dtype=dtype, device=device)
-    key, value = qkv[:, NUM_KV_HEADS : 2 * NUM_KV_HEADS], qkv[:, 2 * NUM_KV_HEADS :]
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    caches = {
-        name: (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for name in ("torch", "triton")
-    }
-    TORCH.write_kv(key, value, *caches["torch"], slots)
-    TRITON.write_kv(key, value, *caches["triton"], slots)
-    assert torch.equal(caches["triton"][0], caches["torch"][0])
-    assert torch.equal(caches["triton"][1], caches["torch"][1])
+    expected, actual = _write_with_both_backends(qkv.to(dtype=dtype, device=device), slots, shape)
+    for expected_cache, actual_cache in zip(expected, actual, strict=True):
+        assert torch.equal(actual_cache, expected_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=DTYPE_ID)
+def test_write_kv_fp8_matches_reference_bytes(dtype: torch.dtype, device: torch.device) -> None:
+    block_size, num_blocks, num_tokens = 16, 3, 21
+    generator = torch.Generator().manual_seed(8)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens].to(device)
+    # Magnitudes from 1e-4 (e4m3 subnormals and zeros once divided by the scale) to 1e3
+    # (saturated at ±448), as views into a fused QKV output.
+    magnitude = torch.logspace(-4, 3, num_tokens)[:, None, None]
+    qkv = torch.randn(num_tokens, 3 * NUM_KV_HEADS, HEAD_DIM, generator=generator) * magnitude
+    # k_scale 0.5 makes exact ties of e4m3 (1.0625 and 1.1875 round to even: 1.0 and 1.25),
+    # negative zero, and a value that rounds to negative zero.
+    qkv[0, NUM_KV_HEADS, :4] = torch.tensor([0.53125, 0.59375, -0.0, -1e-4])
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    expected, actual = _write_with_both_backends(
+        qkv.to(dtype=dtype, device=device), slots, shape, FP8_DTYPE, (0.5, 0.037)
+    )
+    for expected_cache, actual_cache in zip(expected, actual, strict=True):
+        assert torch.equal(actual_cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    stored = expected[0].view(-1, NUM_KV_HEADS, HEAD_DIM)[int(slots[0]), 0, :4]
+    assert stored.float().tolist() == [1.0, 1.25, 0.0, 0.0]
+    assert stored.view(torch.uint8)[2:].tolist() == [0x80, 0x80]  # -0.0 in e4m3
 
 
 def test_write_kv_skips_negative_slots(device: torch.device) -> None:

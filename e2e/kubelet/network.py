@@ -38,6 +38,24 @@ def ensure_bridge() -> None:
     if f"{topology.POD_GATEWAY}/" not in _ip("-o", "addr", "show", "dev", BRIDGE):
         _ip("addr", "add", f"{topology.POD_GATEWAY}/{prefix}", "dev", BRIDGE)
     _ip("link", "set", BRIDGE, "up")
+    _allow_forwarding()
+
+
+# With br_netfilter loaded, bridged pod-to-pod packets pass the iptables FORWARD chain, whose
+# policy Docker sets to DROP: accept traffic between ports of the pod bridge explicitly.
+_FORWARD_RULE = ("FORWARD", "-i", BRIDGE, "-o", BRIDGE, "-j", "ACCEPT")
+
+
+def _iptables(*args: str) -> int:
+    try:
+        return subprocess.run(["iptables", *args], capture_output=True, check=False).returncode
+    except FileNotFoundError:  # no iptables, so no FORWARD policy to get past
+        return 0
+
+
+def _allow_forwarding() -> None:
+    if _iptables("-C", *_FORWARD_RULE) != 0:
+        _iptables("-I", *_FORWARD_RULE[:1], "1", *_FORWARD_RULE[1:])
 
 
 def _namespaces() -> list[str]:
@@ -54,6 +72,7 @@ def remove_all() -> None:
                 subprocess.run(["kill", "-9", pid], capture_output=True, check=False)
             _ip("netns", "delete", ns, check=False)
     _ip("link", "delete", BRIDGE, check=False)
+    _iptables("-D", *_FORWARD_RULE)
 
 
 @dataclass(frozen=True)

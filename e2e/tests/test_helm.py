@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -94,13 +95,29 @@ def wait_pool_ready(cluster: ClusterHandle, namespace: str, name: str) -> dict[s
     return wait_for(f"LLMPool {name} Ready", probe, ENGINE_START_SECONDS, interval=2)
 
 
-def operator_pods(cluster: ClusterHandle, namespace: str) -> list[dict[str, Any]]:
-    pods = cluster.get("pods", "-n", namespace, "-l", INSTANCE_LABEL)["items"]
+def release_pods(cluster: ClusterHandle, namespace: str, component: str) -> list[dict[str, Any]]:
+    """The release's live pods of one component: operator or gateway."""
+    selector = f"{INSTANCE_LABEL},app.kubernetes.io/component={component}"
+    pods = cluster.get("pods", "-n", namespace, "-l", selector)["items"]
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
+def operator_pods(cluster: ClusterHandle, namespace: str) -> list[dict[str, Any]]:
+    return release_pods(cluster, namespace, "operator")
+
+
 def chat_on_pod_ip(ip: str, model: str) -> str:
-    """One chat completion through the official openai client, straight to a pod IP.
+    """One chat completion straight to an engine pod's IP."""
+    return chat_on_url(f"http://{ip}:8000/v1", model)
+
+
+def list_models(base_url: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{base_url}/models", timeout=30) as response:
+        return json.loads(response.read())["data"]
+
+
+def chat_on_url(base_url: str, model: str) -> str:
+    """One chat completion through the official openai client.
 
     Run in a subprocess: the client library stays out of the test process's imports.
     """
@@ -112,7 +129,7 @@ def chat_on_pod_ip(ip: str, model: str) -> str:
         "print(reply.model, reply.choices[0].finish_reason, reply.usage.completion_tokens)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, f"http://{ip}:8000/v1", model],
+        [sys.executable, "-c", code, base_url, model],
         capture_output=True,
         text=True,
         timeout=180,
@@ -188,6 +205,9 @@ def test_install_serve_upgrade_uninstall(
         assert pod_ready(pod)
         assert pod["spec"]["serviceAccountName"] == FULLNAME
         assert f"--namespace={pools_namespace}" in pod["spec"]["containers"][0]["args"]
+        # Pools may name only the chart's image repository (ENGINE_IMAGE, the operator's own
+        # engine image, is always allowed) and mount no node path.
+        assert "--allowed-image=ghcr.io/llmpool/llmpool" in pod["spec"]["containers"][0]["args"]
 
         cluster.apply(*example_documents(), namespace=pools_namespace)
         with ThreadPoolExecutor(2) as pool_waiters:
@@ -210,6 +230,15 @@ def test_install_serve_upgrade_uninstall(
             ]
             served_name = pool["spec"]["model"]["servedName"]
             reply = chat_on_pod_ip(engine["status"]["podIP"], served_name)
+            assert reply.split()[0] == served_name, reply
+        # One base URL serves both pools by model name: the chart's gateway (by pod IP here,
+        # as the local cluster routes no Service IP).
+        (gateway,) = release_pods(cluster, namespace, "gateway")
+        gateway_url = f"http://{gateway['status']['podIP']}:8080/v1"
+        served = sorted(pool["spec"]["model"]["servedName"] for pool in ready)
+        assert sorted(m["id"] for m in list_models(gateway_url)) == served
+        for served_name in served:
+            reply = chat_on_url(gateway_url, served_name)
             assert reply.split()[0] == served_name, reply
         # Everything above went through the chart's RBAC: nothing was refused.
         log = cluster.kubectl("logs", "-n", namespace, f"deployment/{FULLNAME}")
@@ -274,7 +303,7 @@ def test_the_operator_service_account_has_least_privilege(
     No operator runs here (replicaCount=0): only the ServiceAccount and its RBAC matter. The
     cluster-wide variant therefore grants rights in every namespace without acting on any.
     """
-    values = ["replicaCount=0", "dashboard.enabled=false"]
+    values = ["replicaCount=0", "gateway.replicas=0", "dashboard.enabled=false"]
     if scope == "namespaced":
         values.append(f"watchNamespaces={{{namespace}}}")
     helm(cluster, "install", RELEASE, *install_args(namespace, *values))
@@ -321,6 +350,19 @@ def test_the_operator_service_account_has_least_privilege(
         elsewhere = can_i(cluster, sa, "watch", "llmpools.llmpool.dev", "-n", "kube-system")
         assert elsewhere == (scope == "clusterwide")
         assert not can_i(cluster, sa, "get", "secrets", "-n", "kube-system")
+        # The gateway only reads pools and their EndpointSlices.
+        gateway = f"{namespace}:{FULLNAME}-gateway"
+        for verb, resource in [("watch", "llmpools.llmpool.dev"), ("list", "endpointslices")]:
+            assert can_i(cluster, gateway, verb, resource, *served), f"cannot {verb} {resource}"
+        for verb, resource in [
+            ("patch", "llmpools.llmpool.dev/status"),
+            ("update", "llmpools.llmpool.dev"),
+            ("create", "endpointslices"),
+            ("get", "secrets"),
+            ("list", "pods"),
+            ("get", "configmaps"),
+        ]:
+            assert not can_i(cluster, gateway, verb, resource, *served), f"can {verb} {resource}"
     finally:
         helm(cluster, "uninstall", RELEASE, "-n", namespace, "--wait", "--timeout=120s")
     assert not leftovers(cluster, [namespace])

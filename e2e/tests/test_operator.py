@@ -31,6 +31,10 @@ DIGEST_ANNOTATION = "llmpool.dev/pinned-digest"
 POOL_LABEL = "llmpool.dev/pool"
 ENGINE_START_SECONDS = 600  # first start converts the built-in GGUF model
 DRIFT_INTERVAL_SECONDS = 5
+# The operator's timer runs every 2 s and waits 5 s after its own last apply before it trusts
+# its watch caches to show a child missing or different; restoring takes at most that, plus
+# polling and kubectl slack.
+RESTORE_SECONDS = 2 * 2 + 5 + 15
 
 
 def free_port() -> int:
@@ -330,6 +334,131 @@ def test_a_deleted_deployment_is_restored(
     assert "smollm2-chat" in events
 
 
+def child_uid(cluster: ClusterHandle, namespace: str, kind: str, name: str) -> str | None:
+    found = cluster.run("kubectl", "get", kind, name, "-n", namespace, "-o", "json", check=False)
+    return json.loads(found.stdout)["metadata"]["uid"] if found.returncode == 0 else None
+
+
+def events_with_reason(cluster: ClusterHandle, namespace: str, reason: str) -> str:
+    return cluster.kubectl("get", "events", "-n", namespace, "--field-selector", f"reason={reason}")
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"), [("service", "smollm2-chat"), ("configmap", "smollm2-chat-engine")]
+)
+def test_a_deleted_service_or_configmap_is_restored(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str, kind: str, name: str
+) -> None:
+    cluster.apply(*example(), namespace=namespace)
+    old_uid = wait_for(f"the {kind}", lambda: child_uid(cluster, namespace, kind, name), 60)
+    cluster.kubectl("delete", kind, name, "-n", namespace)
+
+    def restored() -> str | None:
+        uid = child_uid(cluster, namespace, kind, name)
+        return uid if uid not in (None, old_uid) else None
+
+    wait_for(f"the {kind} to be restored", restored, RESTORE_SECONDS, interval=0.5)
+    reason = {"service": "ServiceRestored", "configmap": "ConfigMapRestored"}[kind]
+    assert f"{name} was missing" in events_with_reason(cluster, namespace, reason)
+
+
+def test_a_hand_edited_deployment_is_restored(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    cluster.apply(*example(), namespace=namespace)
+    digest = wait_for(
+        "a digest", lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"), 60
+    )
+    wait_for(
+        "the Deployment", lambda: child_uid(cluster, namespace, "deployment", "smollm2-chat"), 60
+    )
+
+    def args() -> list[str]:
+        deployment = cluster.get("deployment", "smollm2-chat", "-n", namespace)
+        return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+
+    rendered = args()
+    index = rendered.index("--max-model-len") + 1
+    edit = [
+        {"op": "replace", "path": f"/spec/template/spec/containers/0/args/{index}", "value": "64"}
+    ]
+    cluster.kubectl(
+        "patch", "deployment", "smollm2-chat", "-n", namespace, "--type=json",
+        "-p", json.dumps(edit),
+    )  # fmt: skip
+    assert args()[index] == "64"
+
+    wait_for(
+        "the arguments to be restored", lambda: args() == rendered, RESTORE_SECONDS, interval=0.5
+    )
+    assert "differed at" in events_with_reason(cluster, namespace, "DeploymentRestored")
+    assert pool_status(cluster, namespace, "smollm2-chat")["pinnedDigest"] == digest
+
+
+def test_a_child_the_api_server_rejects_is_named_in_the_status(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    documents = example()
+    # Valid for the CRD, invalid for a Deployment: the request exceeds the limit.
+    documents[1]["spec"]["resources"] = {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}
+    cluster.apply(*documents, namespace=namespace)
+
+    def rejected() -> dict[str, Any] | None:
+        found = condition(pool_status(cluster, namespace, "smollm2-chat"), "Degraded")
+        return found if found.get("reason") == "ApplyRejected" else None
+
+    degraded = wait_for("Degraded ApplyRejected", rejected, 60)
+    assert degraded["status"] == "True"
+    assert "Deployment smollm2-chat" in degraded["message"]
+    assert "less than or equal to cpu limit" in degraded["message"]
+    ready = condition(pool_status(cluster, namespace, "smollm2-chat"), "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ApplyRejected")
+    assert "smollm2-chat" in events_with_reason(cluster, namespace, "ApplyRejected")
+
+    # Fixing the spec clears it.
+    cluster.kubectl(
+        "patch", "llmpool", "smollm2-chat", "-n", namespace, "--type=json",
+        "-p", '[{"op": "remove", "path": "/spec/resources"}]',
+    )  # fmt: skip
+    wait_for(
+        "the Deployment",
+        lambda: child_uid(cluster, namespace, "deployment", "smollm2-chat"),
+        60,
+    )
+    wait_for("ApplyRejected to clear", lambda: not rejected(), 60)
+
+
+REFUSED = {
+    "image": ({"image": "docker.io/library/python:3"}, "ImageNotAllowed"),
+    "host path": (
+        {"model": {"source": "file:///etc", "revision": "sha256:" + "1" * 64}},
+        "HostPathNotAllowed",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_disallowed_image_or_host_path_is_refused(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str, case: str
+) -> None:
+    change, reason = REFUSED[case]
+    documents = example()
+    documents[1]["spec"].update(change)
+    cluster.apply(*documents, namespace=namespace)
+
+    def refused() -> dict[str, Any] | None:
+        found = condition(pool_status(cluster, namespace, "smollm2-chat"), "Ready")
+        return found if found.get("reason") == reason else None
+
+    ready = wait_for(f"Ready=False {reason}", refused, 60)
+    assert ready["status"] == "False"
+    assert "not allow" in ready["message"]
+    assert "smollm2-chat" in events_with_reason(cluster, namespace, reason)
+    selector = f"{POOL_LABEL}=smollm2-chat"
+    for kind in ("deployments", "services", "configmaps", "pods"):
+        assert cluster.get(kind, "-n", namespace, "-l", selector)["items"] == [], kind
+
+
 def test_operator_restart_converges_without_duplicates(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
@@ -518,35 +647,36 @@ def test_drift_is_detected_reported_and_recreated(
     cluster.apply(*documents, namespace=namespace)
     wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
 
-    # Tamper with the template every pod mounts, then restart one pod: it now runs another one.
-    patch = {"data": {"template": "{{ messages }} tampered"}}
-    cluster.kubectl(
-        "patch",
-        "configmap",
-        "smollm2-chat-engine",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        json.dumps(patch),
-    )
-    before = {p["metadata"]["name"] for p in engine_pods(cluster, namespace, "smollm2-chat")}
-    victim = sorted(before)[0]
-    cluster.kubectl("delete", "pod", victim, "-n", namespace)
+    # With the operator away (it would restore the ConfigMap at once), tamper with the template
+    # every pod mounts and restart one pod: it now runs another template.
+    operator.stop()
+    try:
+        patch = {"data": {"template": "{{ messages }} tampered"}}
+        cluster.kubectl(
+            "patch", "configmap", "smollm2-chat-engine", "-n", namespace, "--type=merge",
+            "-p", json.dumps(patch),
+        )  # fmt: skip
+        before = {p["metadata"]["name"] for p in engine_pods(cluster, namespace, "smollm2-chat")}
+        victim = sorted(before)[0]
+        cluster.kubectl("delete", "pod", victim, "-n", namespace)
 
-    def replacement_ready() -> str | None:
-        pods = engine_pods(cluster, namespace, "smollm2-chat")
-        new = [p for p in pods if p["metadata"]["name"] not in before and pod_ready(p)]
-        return new[0]["metadata"]["name"] if new else None
+        def replacement_ready() -> str | None:
+            pods = engine_pods(cluster, namespace, "smollm2-chat")
+            new = [p for p in pods if p["metadata"]["name"] not in before and pod_ready(p)]
+            return new[0]["metadata"]["name"] if new else None
 
-    replacement = wait_for("the replacement pod", replacement_ready, ENGINE_START_SECONDS)
+        replacement = wait_for("the replacement pod", replacement_ready, ENGINE_START_SECONDS)
+    finally:
+        operator.start()
 
     def drifted() -> dict[str, Any] | None:
         status = pool_status(cluster, namespace, "smollm2-chat")
         return status if condition(status, "Drifted").get("status") == "True" else None
 
-    # Within two drift intervals of the replica turning ready (plus polling slack).
-    status = wait_for("Drifted", drifted, 2 * DRIFT_INTERVAL_SECONDS + 3, interval=0.5)
+    # The operator's first pass restores the ConfigMap and checks every ready replica.
+    status = wait_for("Drifted", drifted, 2 * DRIFT_INTERVAL_SECONDS + 30, interval=0.5)
+    restored = events_with_reason(cluster, namespace, "ConfigMapRestored")
+    assert "smollm2-chat-engine differed at .data.template" in restored
     [entry] = status["drift"]
     assert entry == {
         "pod": replacement,
@@ -586,3 +716,58 @@ def test_drift_is_detected_reported_and_recreated(
         "get", "events", "-n", namespace, "--field-selector", "reason=RecreatingDriftedPod"
     )
     assert entry["pod"] in events
+
+
+@needs_engine
+def test_drift_that_recreation_cannot_fix_is_degraded(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    documents = example()
+    pool = documents[1]
+    pool["spec"]["replicas"] = 1
+    pool["spec"]["drift"] = {"policy": "Recreate", "intervalSeconds": DRIFT_INTERVAL_SECONDS}
+    cluster.apply(*documents, namespace=namespace)
+    wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
+
+    # Someone adds an environment variable the operator does not render (so it never removes
+    # it): every new pod now loads int8 weights (the engine's --quantization default comes from
+    # LLMPOOL_QUANTIZATION, and quantization none is rendered as no flag), whatever the pin says.
+    container = {"name": "engine", "env": [{"name": "LLMPOOL_QUANTIZATION", "value": "int8"}]}
+    patch = {"spec": {"template": {"spec": {"containers": [container]}}}}
+    cluster.kubectl(
+        "patch", "deployment", "smollm2-chat", "-n", namespace, "-p", json.dumps(patch)
+    )  # fmt: skip
+
+    def persists() -> dict[str, Any] | None:
+        status = pool_status(cluster, namespace, "smollm2-chat")
+        return status if condition(status, "Degraded").get("reason") == "DriftPersists" else None
+
+    # The rollout of the edit, then three recreations: five engine starts in all.
+    status = wait_for("Degraded DriftPersists", persists, 5 * ENGINE_START_SECONDS, interval=2)
+    assert status["driftRecreations"] == 3
+    degraded = condition(status, "Degraded")
+    assert degraded["status"] == "True"
+    assert "3 recreation(s)" in degraded["message"]
+    assert "quantization is int8, expected none" in degraded["message"]
+    recreated = (
+        f'llmpool_operator_recreated_pods_total{{namespace="{namespace}",pool="smollm2-chat"}} 3.0'
+    )
+    assert recreated in operator.metrics()
+
+    # The count lives in status: a restarted operator checks again but deletes nothing.
+    operator.stop()
+    operator.start()
+    labels = f'{{namespace="{namespace}",pool="smollm2-chat"}}'
+
+    def checked_after_restart() -> str | None:
+        try:
+            text = operator.metrics()
+        except OSError:
+            return None  # not listening yet
+        return text if f"llmpool_operator_drifted_replicas{labels} 1.0" in text else None
+
+    text = wait_for("the restarted operator's first drift check", checked_after_restart, 60)
+    assert f"llmpool_operator_recreated_pods_total{labels}" not in text
+    status = pool_status(cluster, namespace, "smollm2-chat")
+    assert status["driftRecreations"] == 3
+    assert condition(status, "Degraded").get("reason") == "DriftPersists"

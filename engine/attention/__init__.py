@@ -11,8 +11,12 @@ import torch
 from llmpool.engine import ops
 from llmpool.engine.attention import torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
+from llmpool.engine.models.quantization import FP8_DTYPE
 
-__all__ = ["AttentionMetadata", "Backend", "select_backend"]
+__all__ = ["AttentionMetadata", "Backend", "check_kv_cache_dtype", "select_backend"]
+
+# Triton converts to and from e4m3 with instructions NVIDIA GPUs have from this one on (Ada, Hopper).
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,15 @@ TORCH = Backend(
 )
 
 
-def select_backend(device: torch.device, name: str = "auto") -> Backend:
-    """``auto`` picks Triton on CUDA and torch elsewhere."""
+def select_backend(
+    device: torch.device, name: str = "auto", kv_cache_dtype: torch.dtype | None = None
+) -> Backend:
+    """``auto`` picks Triton on CUDA and torch elsewhere, and torch for an fp8 KV cache on a GPU
+    whose Triton cannot convert e4m3, so that a pool's kvCacheDtype fp8 runs on any GPU."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
+        if name == "triton" and kv_cache_dtype == FP8_DTYPE and not _triton_has_fp8(device):
+            name = "torch"
     if name == "torch":
         return TORCH
     if name == "triton":
@@ -50,3 +59,26 @@ def select_backend(device: torch.device, name: str = "auto") -> Backend:
 
         return TRITON
     raise ValueError(f"unknown attention backend {name!r}; expected auto, torch or triton")
+
+
+def _triton_has_fp8(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+
+
+def check_kv_cache_dtype(backend: Backend, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse at start a cache dtype that an explicitly chosen backend's first step would fail to
+    compile for (``auto`` never chooses such a backend)."""
+    if dtype == FP8_DTYPE and backend.name == "triton" and device.type == "cuda":
+        check_fp8_capability(
+            torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+        )
+
+
+def check_fp8_capability(capability: tuple[int, int], device_name: str) -> None:
+    if capability < FP8_MIN_CAPABILITY:
+        raise ValueError(
+            f"kv_cache_dtype fp8 on the Triton backend needs a GPU of compute capability"
+            f" {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer (Ada, Hopper);"
+            f" {device_name} has {capability[0]}.{capability[1]}. Use kv_cache_dtype auto,"
+            " or attention_backend torch"
+        )

@@ -6,6 +6,35 @@ import torch
 import triton
 import triton.language as tl
 
+from llmpool.engine.models.quantization import FP8_DTYPE, FP8_MAX, check_kv_scales
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """``x`` (fp32) rounded to the nearest e4m3 value, ties to even, as torch converts.
+
+    The rounding is done with fp32 adds, so the cast that follows is exact: the interpreter's
+    own fp8 conversion rounds ties away from zero and would not match torch bit for bit.
+    Adding ``1.5 * 2**23 * step`` leaves ``step`` as the sum's last fp32 bit, where ``step``
+    is e4m3's spacing at ``x``: 3 mantissa bits down to 2**-6, a fixed 2**-9 below.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    magnitude_bits = bits & 0x7FFFFFFF
+    sign = bits ^ magnitude_bits
+    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+    step_exponent = tl.maximum((bits >> 23) & 0xFF, 127 - 6) - 3
+    magic = ((step_exponent + 23) << 23 | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (magnitude + magic) - magic
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``x`` as the cache stores it: itself, or for fp8 ``x / scale`` saturated and rounded."""
+    if FP8:
+        x = _round_to_e4m3(tl.minimum(tl.maximum(x * inv_scale, -FP8_MAX), FP8_MAX))
+    return x.to(cache_ptr.dtype.element_ty)
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -14,6 +43,8 @@ def _write_kv_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_mapping_ptr,
+    inv_k_scale,
+    inv_v_scale,
     k_stride_t,
     k_stride_h,
     v_stride_t,
@@ -29,6 +60,8 @@ def _write_kv_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """One program per token: copy its ``[kv_heads, head_dim]`` K and V rows into the cache.
 
@@ -48,15 +81,15 @@ def _write_kv_kernel(
         tl.float32
     )
     kc_row = key_cache_ptr + block * kc_stride_b + offset * kc_stride_o
-    tl.store(kc_row + heads * kc_stride_h + dims, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    key = _to_cache(key, inv_k_scale, key_cache_ptr, FP8, FP8_MAX)
+    tl.store(kc_row + heads * kc_stride_h + dims, key, mask=mask)
 
     value = tl.load(value_ptr + token * v_stride_t + heads * v_stride_h + dims, mask=mask).to(
         tl.float32
     )
     vc_row = value_cache_ptr + block * vc_stride_b + offset * vc_stride_o
-    tl.store(
-        vc_row + heads * vc_stride_h + dims, value.to(value_cache_ptr.dtype.element_ty), mask=mask
-    )
+    value = _to_cache(value, inv_v_scale, value_cache_ptr, FP8, FP8_MAX)
+    tl.store(vc_row + heads * vc_stride_h + dims, value, mask=mask)
 
 
 def write_kv(
@@ -65,13 +98,17 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` at their cache slots.
 
     Caches are ``[num_blocks, block_size, kv_heads, head_dim]``; slot ``s`` is block
-    ``s // block_size``, offset ``s % block_size``. Negative slots are skipped.
+    ``s // block_size``, offset ``s % block_size``. Negative slots are skipped. An fp8 cache
+    stores ``x / scale`` as ``quantization.quantize_fp8`` does, bit for bit.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
+    check_kv_scales(key_cache.dtype, k_scale, v_scale)
     if num_tokens == 0:
         return
     for tensor in (key, value, key_cache, value_cache):
@@ -83,6 +120,8 @@ def write_kv(
         key_cache,
         value_cache,
         slot_mapping,
+        1.0 / k_scale,
+        1.0 / v_scale,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -98,4 +137,6 @@ def write_kv(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1],
+        FP8=key_cache.dtype == FP8_DTYPE,
+        FP8_MAX=FP8_MAX,
     )

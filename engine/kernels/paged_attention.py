@@ -11,6 +11,7 @@ import triton.language as tl
 
 from llmpool.engine.attention.metadata import AttentionMetadata
 from llmpool.engine.kernels.common import dot_precision, matmul_dtype
+from llmpool.engine.models.quantization import check_kv_scales
 
 # tl.dot needs at least 16 rows; more rows per tile reuse each loaded K/V tile for more
 # queries (prefill), at the price of idle rows when a sequence has fewer queries (decode).
@@ -42,6 +43,7 @@ def _paged_attention_kernel(
     tile_seq_ptr,
     tile_start_ptr,
     scale,
+    v_scale,
     num_seqs,
     num_tokens,
     num_heads,
@@ -75,6 +77,9 @@ def _paged_attention_kernel(
     a step, each key's cache block looked up in the block table, up to the last position
     any row of the tile may see. Without ``SPLIT`` the result is final; with it, each split
     leaves its normalized output and log-sum-exp for ``_combine_splits_kernel``.
+
+    K and V are read in the cache's dtype (fp8 too) and converted exactly to ``MMA_DTYPE``;
+    an fp8 cache's ``k_scale`` comes folded into ``scale`` and ``v_scale`` scales the output.
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -149,7 +154,7 @@ def _paged_attention_kernel(
         m = m_new
 
     if not SPLIT:
-        out = acc / denom[:, None]
+        out = acc / denom[:, None] * v_scale
         o_offsets = (query_begin + token)[:, None].to(tl.int64) * o_stride_t
         o_offsets += head[:, None] * o_stride_h + dims[None, :]
         tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -161,7 +166,7 @@ def _paged_attention_kernel(
         tl.store(partial_lse_ptr + partial_row, lse, mask=row_valid)
         tl.store(
             partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :],
-            acc / safe_denom[:, None],
+            acc / safe_denom[:, None] * v_scale,
             mask=row_mask,
         )
 
@@ -271,8 +276,14 @@ def paged_attention(
     value_cache: torch.Tensor,
     attention_plan: TritonAttentionPlan,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal attention of ``query`` ``[num_tokens, heads, head_dim]`` over paged K/V."""
+    """Causal attention of ``query`` ``[num_tokens, heads, head_dim]`` over paged K/V.
+
+    The cache holds ``K / k_scale`` and ``V / v_scale`` (fp8) or K and V (scales 1).
+    """
+    check_kv_scales(key_cache.dtype, k_scale, v_scale)
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     meta = attention_plan.meta
@@ -311,7 +322,8 @@ def paged_attention(
         meta.query_start_loc,
         tile_seq,
         tile_start,
-        scale,
+        scale * k_scale,
+        v_scale,
         meta.num_seqs,
         num_tokens,
         num_heads,

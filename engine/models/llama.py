@@ -11,7 +11,6 @@ from torch import nn
 
 from llmpool.engine.attention import AttentionMetadata, Backend
 from llmpool.engine.models.linear import Linear, linear
-from llmpool.engine.models.quantization import FP8_DTYPE, write_kv_fp8
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ class LlamaLayer(nn.Module):
         self.down_proj = Linear(shape.intermediate_size, shape.hidden_size, bias=False)
         self.split_sizes = [q_size, kv_size, kv_size]
         self.scale = shape.head_dim**-0.5
-        # Per-tensor scales of an fp8 KV cache: stored value = K / k_scale (see quantization.py).
+        # Per-tensor scales of an fp8 KV cache: it stores K / k_scale (quantization.quantize_fp8).
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -143,23 +142,12 @@ class LlamaLayer(nn.Module):
         value = value.view(num_tokens, shape.num_kv_heads, shape.head_dim)
         query, key = backend.rotary_embedding(positions, query, key, cos_sin_cache)
         key_cache, value_cache = kv_cache
-        if key_cache.dtype == FP8_DTYPE:
-            write_kv_fp8(
-                backend.write_kv, key, value, key_cache, value_cache, meta.slot_mapping,
-                self.k_scale, self.v_scale,
-            )  # fmt: skip
-            # Dequantizing K and V by their scales is the same as scaling the query and the output.
-            attended = (
-                backend.paged_attention(
-                    query * self.k_scale, key_cache, value_cache, attention_plan, self.scale
-                )
-                * self.v_scale
-            )
-        else:
-            backend.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-            attended = backend.paged_attention(
-                query, key_cache, value_cache, attention_plan, self.scale
-            )
+        backend.write_kv(
+            key, value, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
+        )
+        attended = backend.paged_attention(
+            query, key_cache, value_cache, attention_plan, self.scale, self.k_scale, self.v_scale
+        )
         hidden = self.o_proj(attended.view(num_tokens, -1))
 
         hidden, residual = backend.fused_add_rms_norm(

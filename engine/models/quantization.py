@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -94,27 +92,18 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def write_kv_fp8(
-    write_kv: Callable[..., None],
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float,
-    v_scale: float,
-) -> None:
-    """Quantize K/V to e4m3 (``x / scale``, saturated at ±448) and store them with ``write_kv``.
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x / scale`` in e4m3, saturated at ±448: what an fp8 KV cache stores for ``x``.
 
-    The bytes go through uint8 views: index_copy_ has no float8 kernel on CPU, and a byte copy
-    is exact on every backend.
+    The division is a multiplication by the fp32 reciprocal, computed in fp32 whatever the
+    dtype of ``x``, so that the Triton write kernel can reproduce every byte.
     """
-    key = (key / k_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    value = (value / v_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    write_kv(
-        key.view(torch.uint8),
-        value.view(torch.uint8),
-        key_cache.view(torch.uint8),
-        value_cache.view(torch.uint8),
-        slot_mapping,
-    )
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
+    """Scales are for fp8 caches only; a cache in the model's dtype holds K and V as they are."""
+    if cache_dtype != FP8_DTYPE and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError(
+            f"KV scales ({k_scale}, {v_scale}) apply to an fp8 cache only, not {cache_dtype}"
+        )

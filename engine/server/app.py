@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -19,15 +18,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from llmpool.engine.engine_core import EngineCore, PromptTooLongError
+from llmpool.engine.admission import InvalidRequestError, PromptTooLongError
+from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.server.async_engine import (
     AsyncEngine,
     ChildRequest,
     EngineStoppedError,
     QueueFullError,
+    RequestFailedError,
     RequestStream,
 )
 from llmpool.engine.server.fingerprint import build_fingerprint
+from llmpool.engine.server.http import openai_endpoint, read_body
 from llmpool.engine.server.metrics import EngineMetrics
 from llmpool.engine.server.prompts import PromptBuilder
 from llmpool.engine.server.protocol import (
@@ -46,8 +48,6 @@ from llmpool.engine.server.stats_log import log_stats_forever
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = "1"
-# Far beyond any prompt that fits a context window; a bound on what one request may make us hold.
-MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -74,14 +74,17 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
 def _engine_error(error: Exception) -> APIError:
     """Map what the engine raised on submit to the status a client should see."""
     if isinstance(error, PromptTooLongError):
         return bad_request(str(error), param="prompt", code="context_length_exceeded")
+    if isinstance(error, InvalidRequestError):
+        return bad_request(str(error), param=error.param)
+    if isinstance(error, RequestFailedError):
+        return APIError(
+            500, f"the engine failed this request: {error}", type="internal_error",
+            code="internal_error",
+        )  # fmt: skip
     if isinstance(error, QueueFullError):
         return APIError(
             429, f"too many requests are waiting: {error}", type="rate_limit_exceeded",
@@ -93,19 +96,6 @@ def _engine_error(error: Exception) -> APIError:
             headers={"Retry-After": RETRY_AFTER_SECONDS},
         )  # fmt: skip
     return bad_request(str(error))
-
-
-async def _read_body(request: Request) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(
-                413, f"the request body is larger than {MAX_BODY_BYTES:,} bytes",
-                code="request_too_large",
-            )  # fmt: skip
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -167,31 +157,7 @@ class OpenAIServer:
     def _openai(
         self, handler: Callable[[Request], Awaitable[Response]]
     ) -> Callable[[Request], Awaitable[Response]]:
-        """Checks the API key and turns every failure into an OpenAI-shaped error."""
-
-        async def endpoint(request: Request) -> Response:
-            try:
-                self._authorize(request)
-                return await handler(request)
-            except APIError as error:
-                return _error_response(error)
-            except Exception:
-                logger.exception("internal error in %s", request.url.path)
-                return _error_response(
-                    APIError(
-                        500, "internal server error", type="internal_error", code="internal_error"
-                    )
-                )
-
-        return endpoint
-
-    def _authorize(self, request: Request) -> None:
-        if self.settings.api_key is None:
-            return
-        expected = f"Bearer {self.settings.api_key}".encode()
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise APIError(401, "incorrect or missing API key", code="invalid_api_key")
+        return openai_endpoint(handler, self.settings.api_key)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -204,14 +170,14 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_completion_request(parse_json_body(await _read_body(request)))
+        parsed = parse_completion_request(parse_json_body(await read_body(request)))
         self._check_model(parsed.model)
         prompts = [self.prompts.completion_ids(p) for p in parsed.prompts]
         return await self._generate(request, "completion", "cmpl", parsed, prompts, arrival)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_chat_request(parse_json_body(await _read_body(request)))
+        parsed = parse_chat_request(parse_json_body(await read_body(request)))
         self._check_model(parsed.model)
         prompt = self.prompts.chat_ids(parsed.messages, parsed.add_generation_prompt)
         return await self._generate(request, "chat", "chatcmpl", parsed, [prompt], arrival)
@@ -298,7 +264,7 @@ class OpenAIServer:
             return None
         try:
             consumer.result()
-        except EngineStoppedError as error:
+        except (EngineStoppedError, RequestFailedError) as error:
             raise _engine_error(error) from None
         return choices
 
@@ -319,7 +285,7 @@ class OpenAIServer:
                 yield _sse(builder.delta_chunk(index, delta))
             if parsed.include_usage:
                 yield _sse(builder.usage_chunk(prompt_tokens, completion_tokens))
-        except EngineStoppedError as error:
+        except (EngineStoppedError, RequestFailedError) as error:
             yield _sse(_engine_error(error).body())
         finally:
             stream.abort()

@@ -36,6 +36,10 @@ class EngineStoppedError(RuntimeError):
     """The engine is shutting down or failed; the server answers 503."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (its other children are aborted); the loop goes on."""
+
+
 @dataclass
 class ChildRequest:
     """One sequence of a request group: the engine's unit of work."""
@@ -96,6 +100,9 @@ class RequestStream:
             index, delta = item
             if delta.finished:
                 self._unfinished.discard(index)
+            if delta.error is not None:
+                # The caller's abort() then ends the sibling children still in the engine.
+                raise RequestFailedError(delta.error)
             yield index, delta
 
     def abort(self) -> None:

@@ -32,6 +32,7 @@ OPTIONAL_ENGINE_SETTINGS: dict[str, Any] = {
     "quantization": "none",
     "kv_cache_dtype": "auto",
     "priority_class": "interactive",
+    "max_request_priority": None,
 }
 
 
@@ -108,13 +109,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-prefix-caching", "share KV blocks of identical prompt prefixes",
         action=argparse.BooleanOptionalAction, default=True,
     )  # fmt: skip
-    flags.add("--quantization", "weight quantization: none, int8 or fp8", default="none")
-    flags.add("--kv-cache-dtype", "KV-cache dtype: auto or fp8", default="auto")
+    flags.add(
+        "--quantization", "weight quantization: none or int8 (weight-only)",
+        choices=["none", "int8"], default="none",
+    )  # fmt: skip
+    flags.add(
+        "--kv-cache-dtype", "KV-cache dtype: auto (the model's) or fp8 (e4m3)",
+        choices=["auto", "fp8"], default="auto",
+    )  # fmt: skip
     flags.add(
         "--priority-class",
         "interactive or batch",
         choices=["interactive", "batch"],
         default="interactive",
+    )
+    flags.add(
+        "--max-request-priority",
+        "the most urgent class a request may ask for (interactive or batch); a request's"
+        " `priority` beyond it is refused with 400; default: --priority-class",
+        choices=["interactive", "batch"],
+        default=None,
     )
     flags.add(
         "--stats-interval", "seconds between engine stats log lines", type=float, default=10.0

@@ -1,4 +1,9 @@
-"""The Prometheus metrics of an engine pod: vLLM's set, one to one, under the prefix ``llmpool:``."""
+"""The Prometheus metrics of an engine pod: vLLM's set, one to one, under the prefix ``llmpool:``.
+
+Three load gauges are also exported under vLLM's own names (``vllm:``), with the same values: the
+model-server protocol of the Gateway API Inference Extension reads them, so llm-d's router or any
+InferencePool implementation can front a pool as well as our gateway does.
+"""
 
 from __future__ import annotations
 
@@ -69,6 +74,9 @@ ITL_BUCKETS = (
     40.0,
     80.0,
 )
+# The gauges routers read by vLLM's names (see the module docstring).
+INTEROP_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+
 REQUEST_LATENCY_BUCKETS = (
     0.3,
     0.5,
@@ -116,6 +124,8 @@ class EngineMetrics(StepObserver):
         registry = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
+            if name in INTEROP_GAUGES:
+                self._interop[name] = Gauge(f"vllm:{name}", doc, labels, registry=registry)
             return Gauge(f"llmpool:{name}", doc, labels, registry=registry)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
@@ -125,6 +135,7 @@ class EngineMetrics(StepObserver):
             return Histogram(f"llmpool:{name}", doc, labels, buckets=buckets, registry=registry)
 
         self._model = {"model_name": model_name}
+        self._interop: dict[str, Gauge] = {}
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge(
             "num_requests_waiting", "Requests waiting to be scheduled."
@@ -166,6 +177,7 @@ class EngineMetrics(StepObserver):
             self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
             self.request_queue_time, self.num_preemptions, self.prompt_tokens,
             self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+            *self._interop.values(),
         ):  # fmt: skip
             metric.labels(**self._model)
         for reason in FINISH_REASONS:
@@ -200,9 +212,13 @@ class EngineMetrics(StepObserver):
         self.request_success.labels(finished_reason=finish_reason, **self._model).inc()
 
     def on_stats(self, stats: EngineStats) -> None:
-        self.num_requests_running.labels(**self._model).set(stats.num_running)
-        self.num_requests_waiting.labels(**self._model).set(stats.num_waiting)
-        self.kv_cache_usage_perc.labels(**self._model).set(stats.kv_cache_usage)
+        for name, value in (
+            ("num_requests_running", stats.num_running),
+            ("num_requests_waiting", stats.num_waiting),
+            ("kv_cache_usage_perc", stats.kv_cache_usage),
+        ):
+            getattr(self, name).labels(**self._model).set(value)
+            self._interop[name].labels(**self._model).set(value)
         if stats.num_preemptions > self._last_preemptions:
             self.num_preemptions.labels(**self._model).inc(
                 stats.num_preemptions - self._last_preemptions

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,11 @@ from llmpool.engine.sampling_params import SamplingParams
 MAX_N = 128  # choices per request; each one is a sequence in the engine
 MAX_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI fields this server does not implement: refused by name rather than silently ignored.
+# A value that asks for nothing (null, false, empty, response_format text) is accepted.
+UNSUPPORTED_FIELDS = (
+    "tools", "tool_choice", "functions", "function_call", "response_format", "suffix", "echo",
+)  # fmt: skip
 
 
 class APIError(Exception):
@@ -79,7 +85,14 @@ class _Fields:
         return value
 
     def number(self, name: str, default: float) -> float:
-        return float(self.get(name, (int, float), default))
+        value = self.get(name, (int, float), default)
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise bad_request(f"{name} must be a finite number, got {value}", param=name)
+        return number
 
     def integer(self, name: str, default: int | None) -> int | None:
         return self.get(name, (int,), default)
@@ -196,11 +209,13 @@ def _common(
         "include_stop_str_in_output": fields.get("include_stop_str_in_output", (bool,), False),
         "ignore_eos": fields.get("ignore_eos", (bool,), False),
         "skip_special_tokens": fields.get("skip_special_tokens", (bool,), True),
+        "logit_bias": _logit_bias(fields.get("logit_bias", (dict,), {})),
     }
+    cache_salt = fields.get("cache_salt", (str,))
     return {
         "model": fields.get("model", (str,)),
         "priority": _priority(fields.get("priority", (int, str))),
-        "cache_salt": fields.get("cache_salt", (str,)),
+        "cache_salt": None if cache_salt is None else _check_text(cache_salt, "cache_salt"),
         "n": n,
         "stream": fields.get("stream", (bool,), False),
         "include_usage": include_usage,
@@ -208,6 +223,35 @@ def _common(
         "default_max_tokens": default_max_tokens,
         "sampling": sampling,
     }
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name in UNSUPPORTED_FIELDS:
+        value = body.get(name)
+        asks_nothing = value in (None, False, "", [], {}) or (
+            name == "response_format" and value == {"type": "text"}
+        )
+        if not asks_nothing:
+            raise bad_request(f"{name} is not supported by this server", param=name)
+
+
+def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}``; the ids are checked against the vocabulary at admission."""
+    bias = {}
+    for key, amount in value.items():
+        if not key.isascii() or not key.isdigit() or len(key) > 18:
+            raise bad_request(
+                f"logit_bias keys must be token ids written as decimal strings, got {key!r}",
+                param="logit_bias",
+            )
+        if isinstance(amount, bool) or not isinstance(amount, int | float):
+            raise bad_request("logit_bias values must be numbers", param="logit_bias")
+        if not -100 <= amount <= 100:  # also refuses NaN
+            raise bad_request(
+                f"logit_bias values must be between -100 and 100, got {amount}", param="logit_bias"
+            )
+        bias[int(key)] = float(amount)
+    return bias
 
 
 def _priority(value: int | str | None) -> int | None:
@@ -229,10 +273,8 @@ def _logprobs_count(value: int | None, param: str) -> int | None:
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    _refuse_unsupported(body)
     fields = _Fields(body)
-    for unsupported in ("suffix", "echo"):
-        if body.get(unsupported):
-            raise bad_request(f"{unsupported} is not supported", param=unsupported)
     return CompletionRequest(
         **_common(fields, 16, ("max_tokens",)),
         logprobs=_logprobs_count(fields.integer("logprobs", None), "logprobs"),
@@ -271,6 +313,7 @@ def _parse_prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    _refuse_unsupported(body)
     fields = _Fields(body)
     wants_logprobs = fields.get("logprobs", (bool,), False)
     top_logprobs = _logprobs_count(fields.integer("top_logprobs", None), "top_logprobs")

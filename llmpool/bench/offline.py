@@ -3,7 +3,9 @@
 The workload (issue 2): N requests with prompt lengths and output lengths drawn with a fixed
 seed, all arriving at once. HF takes them in arrival order in batches of the concurrency and runs
 each batch until its longest request is done; llmpool runs with ``max_num_seqs`` equal to the
-concurrency. Only requested output tokens count for both.
+concurrency, on a fresh engine per level: an engine kept across levels would find the workload's
+prompts in its prefix cache from the level before, while HF computes them every time. Only
+requested output tokens count for both.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 import gc
 import json
 import logging
+import os
+import platform
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -21,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from llmpool.engine import LLM, SamplingParams
+from llmpool.engine import LLM, SamplingParams, model_source
 from llmpool.engine.model_runner import StepTimings
 
 logger = logging.getLogger(__name__)
@@ -46,6 +50,20 @@ class Result:
     ratio: float
     llmpool_step_breakdown: dict[str, float]
     python_overhead_fraction: float
+    # Prompt tokens of this level found in / looked up in llmpool's prefix cache: each level runs
+    # on a fresh engine, so the hits are the workload's own sharing (none for random prompts).
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+    load_average: float  # the machine's 1-minute load average when the level finished
+
+
+@dataclass(frozen=True)
+class LlmpoolRun:
+    tokens_per_s: float
+    elapsed: float
+    timings: StepTimings
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
 
 
 def make_workload(
@@ -89,87 +107,129 @@ def run_hf(
     return workload.requested_tokens / (time.perf_counter() - started)
 
 
-def run_llmpool(llm: LLM, workload: Workload) -> tuple[float, StepTimings]:
+def run_llmpool(llm: LLM, workload: Workload) -> LlmpoolRun:
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
     ]
     llm.engine.runner.timings = StepTimings()
+    before = llm.stats()
     started = time.perf_counter()
     outputs = llm.generate(workload.prompts, params)
     elapsed = time.perf_counter() - started
+    after = llm.stats()
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.requested_tokens, (produced, workload.requested_tokens)
-    return produced / elapsed, llm.engine.runner.timings
+    return LlmpoolRun(
+        tokens_per_s=produced / elapsed,
+        elapsed=elapsed,
+        timings=llm.engine.runner.timings,
+        prefix_cache_hit_tokens=after.prefix_cache_hits - before.prefix_cache_hits,
+        prefix_cache_query_tokens=after.prefix_cache_queries - before.prefix_cache_queries,
+    )
 
 
-def breakdown(timings: StepTimings) -> tuple[dict[str, float], float]:
-    """Milliseconds per step in each phase, and the Python share (scheduling + input preparation)."""
+def breakdown(timings: StepTimings, elapsed: float) -> tuple[dict[str, float], float]:
+    """Milliseconds per step in each phase, and the host-side share of the wall time.
+
+    ``other`` is the wall time no phase covers: queuing the requests and ``LLM.generate``'s own
+    loop. Everything but the forward pass and sampling is host-side Python overhead.
+    """
     steps = max(timings.steps, 1)
     phases = {
         "schedule": timings.schedule,
         "prepare_inputs": timings.prepare_inputs,
         "forward": timings.forward,
         "sample": timings.sample,
+        "process_outputs": timings.process_outputs,
     }
-    total = sum(phases.values())
+    phases["other"] = max(elapsed - sum(phases.values()), 0.0)
     per_step = {name: 1000 * seconds / steps for name, seconds in phases.items()}
     per_step["steps"] = timings.steps
-    return per_step, (timings.schedule + timings.prepare_inputs) / total if total else 0.0
+    host = phases["schedule"] + phases["prepare_inputs"] + phases["process_outputs"]
+    return per_step, (host + phases["other"]) / elapsed if elapsed else 0.0
+
+
+def run_level(
+    args: argparse.Namespace, dtype: str, concurrency: int, workload: Workload, warmup: Workload
+) -> LlmpoolRun:
+    """The workload on a fresh engine, so no level reuses another level's prompts from the cache."""
+    llm = LLM(args.model, dtype=dtype, max_num_seqs=concurrency, max_model_len=1024)
+    try:
+        run_llmpool(llm, warmup)
+        return run_llmpool(llm, workload)
+    finally:
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def run(args: argparse.Namespace) -> Iterator[Result]:
     """One result per dtype and concurrency level, as each finishes."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    folder = model_source.resolve(args.model).folder
+    vocab_size = AutoConfig.from_pretrained(folder).vocab_size
+    prompt_range = tuple(args.prompt_len)
+    workload = make_workload(
+        args.num_requests, prompt_range, tuple(args.output_len), vocab_size, args.seed
+    )
+    # Its own random prompts: warming up on the workload's would put them in the prefix cache.
+    warmup = make_workload(2, prompt_range, (4, 4), vocab_size, args.seed + 1)
+    pad = AutoTokenizer.from_pretrained(folder).pad_token_id or 0
     for dtype in args.dtypes:
-        llm = LLM(args.model, dtype=dtype, max_num_seqs=max(args.concurrency), max_model_len=1024)
-        workload = make_workload(
-            args.num_requests,
-            tuple(args.prompt_len),
-            tuple(args.output_len),
-            llm.engine.shape.vocab_size,
-            args.seed,
-        )
-        hf = AutoModelForCausalLM.from_pretrained(
-            llm.engine.resolved.folder, dtype=getattr(torch, dtype)
-        ).eval()
-        pad = llm.tokenizer.pad_token_id or 0
-        warmup = Workload(workload.prompts[:2], [4, 4])
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
         run_hf(hf, warmup, 2, pad)
-        run_llmpool(llm, warmup)
         for concurrency in tqdm(args.concurrency, desc=f"bench offline {dtype}", unit="level"):
             hf_rate = run_hf(hf, workload, concurrency, pad)
-            llm.engine.scheduler.max_num_seqs = concurrency
-            llmpool_rate, timings = run_llmpool(llm, workload)
-            per_step, overhead = breakdown(timings)
+            llmpool = run_level(args, dtype, concurrency, workload, warmup)
+            per_step, overhead = breakdown(llmpool.timings, llmpool.elapsed)
             result = Result(
                 dtype,
                 concurrency,
                 hf_rate,
-                llmpool_rate,
-                llmpool_rate / hf_rate,
+                llmpool.tokens_per_s,
+                llmpool.tokens_per_s / hf_rate,
                 per_step,
                 overhead,
+                llmpool.prefix_cache_hit_tokens,
+                llmpool.prefix_cache_query_tokens,
+                os.getloadavg()[0],
             )
             logger.info("%s", result)
             yield result
-        del llm, hf
+        del hf
         gc.collect()
 
 
 def markdown_table(results: list[Result]) -> str:
     lines = [
-        "| dtype | concurrency | HF tok/s | llmpool tok/s | ratio | ms/step: schedule / prepare / forward / sample | Python overhead |",
-        "| --- | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| dtype | concurrency | HF tok/s | llmpool tok/s | ratio"
+        " | ms/step: schedule / prepare / forward / sample / outputs / other | Python overhead"
+        " | prefix-cache hit tokens | load average |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for r in sorted(results, key=lambda r: (r.dtype, r.concurrency)):
         b = r.llmpool_step_breakdown
         lines.append(
             f"| {r.dtype} | {r.concurrency} | {r.hf_tokens_per_s:.1f} | {r.llmpool_tokens_per_s:.1f} |"
             f" {r.ratio:.2f}x | {b['schedule']:.2f} / {b['prepare_inputs']:.2f} / {b['forward']:.1f} /"
-            f" {b['sample']:.2f} | {100 * r.python_overhead_fraction:.1f}% |"
+            f" {b['sample']:.2f} / {b['process_outputs']:.2f} / {b['other']:.2f} |"
+            f" {100 * r.python_overhead_fraction:.1f}% |"
+            f" {r.prefix_cache_hit_tokens:,} of {r.prefix_cache_query_tokens:,} | {r.load_average:.1f} |"
         )
     return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as lscpu prints it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def plot(results: list[Result], path: Path) -> None:
@@ -219,7 +279,10 @@ def write_results(results: list[Result], out: Path, argv: list[str]) -> None:
     (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     table = markdown_table(results)
     command = "llmpool bench offline " + " ".join(argv)
-    header = f"`{command.strip()}` — torch threads: {torch.get_num_threads()}\n\n"
+    header = (
+        f"`{command.strip()}` — {cpu_model()}, {os.cpu_count()} CPUs,"
+        f" torch threads: {torch.get_num_threads()}\n\n"
+    )
     (out / "results.md").write_text(header + table + "\n")
     plot(results, out / "throughput.png")
 

@@ -70,7 +70,13 @@ def _render(values_json: str) -> list[dict[str, Any]]:
 
 
 def by_kind(documents: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [document for document in documents if document["kind"] == kind]
+    """The operator's objects of a kind (the gateway's are checked in test_gateway_chart.py)."""
+    return [d for d in documents if d["kind"] == kind and not is_gateway(d)]
+
+
+def is_gateway(document: dict[str, Any]) -> bool:
+    labels = document["metadata"].get("labels") or {}
+    return labels.get("app.kubernetes.io/component") == "gateway"
 
 
 def one(documents: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -156,6 +162,12 @@ def test_the_operator_deployment_runs_llmpool_operator_under_the_charts_account(
     assert ports == {"healthz": 8080, "metrics": 9090}
     assert f"--liveness-port={ports['healthz']}" in args
     assert f"--metrics-port={ports['metrics']}" in args
+    # Pools may name only the chart's own image repository, and mount no node path.
+    assert [a for a in args if a.startswith("--allowed-image")] == [
+        "--allowed-image=ghcr.io/llmpool/llmpool"
+    ]
+    assert not any(a.startswith("--allow-host-path") for a in args)
+    assert "--max-drift-recreations=3" in args
 
 
 def test_operator_arguments_follow_the_values() -> None:
@@ -177,6 +189,42 @@ def test_operator_arguments_follow_the_values() -> None:
     assert "--engine-image=registry.local/llmpool:cuda" in args
     assert "--quiet" in args and "--standalone" in args
     assert not any(a.startswith("--peering") for a in args)
+
+
+def test_admission_arguments_follow_the_values() -> None:
+    deployment = one(
+        render(
+            allowedImages=["registry.local/llmpool", "registry.local/team/"],
+            allowHostPathModels=True,
+            allowedHostPathPrefixes=["/models", "/data/llm"],
+            maxDriftRecreations=1,
+        ),
+        "Deployment",
+    )
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith(("--allow", "--max-drift"))] == [
+        "--allowed-image=registry.local/llmpool",
+        "--allowed-image=registry.local/team/",
+        "--allow-host-path-models",
+        "--allowed-host-path-prefix=/models",
+        "--allowed-host-path-prefix=/data/llm",
+        "--max-drift-recreations=1",
+    ]
+    # ... and the operator accepts exactly these arguments.
+    from llmpool.operator.main import build_parser, policy_from_args
+
+    parser = build_parser()
+    policy = policy_from_args(parser, parser.parse_args(args[1:]))
+    assert policy.allowed_images == ("registry.local/llmpool", "registry.local/team/")
+    assert policy.allowed_host_path_prefixes == ("/models", "/data/llm")
+
+
+def test_host_path_models_without_prefixes_fail_with_a_reason() -> None:
+    result = helm(
+        "template", RELEASE, str(CHART), "--set", "allowHostPathModels=true", check=False
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "allowHostPathModels needs allowedHostPathPrefixes" in result.stderr
 
 
 def test_rbac_is_operator_rbac_py_clusterwide() -> None:
@@ -241,7 +289,7 @@ def test_monitoring_is_off_by_default_and_targets_the_engines_when_on() -> None:
     assert engines["namespaceSelector"] == {"matchNames": ["team-a"]}
     assert engines["endpoints"][0]["port"] == naming.ENGINE_PORT_NAME
     assert monitors[f"{RELEASE}-llmpool-operator"]["metadata"]["labels"]["release"] == "prom"
-    service = next(d for d in documents if d["kind"] == "Service")
+    service = one(documents, "Service")
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
     pod_monitors = by_kind(documents, "PodMonitor")
     assert {m["metadata"]["name"] for m in pod_monitors} == {
@@ -329,6 +377,8 @@ BAD_VALUES = {
     "unknown log level": ["--set", "logLevel=loud"],
     "port out of range": ["--set", "ports.metrics=70000"],
     "monitor interval not a duration": ["--set", "monitoring.serviceMonitor.interval=often"],
+    "relative host path prefix": ["--set", "allowedHostPathPrefixes={models}"],
+    "negative drift recreations": ["--set", "maxDriftRecreations=-1"],
 }
 
 

@@ -146,6 +146,7 @@ def pod_body(
     terminated: dict[str, Any] | None = None,
     last_terminated: dict[str, Any] | None = None,
     deleting: bool = False,
+    replica_set: str | None = "chat-5c8d9f",
 ) -> dict[str, Any]:
     state: dict[str, Any] = {"running": {}}
     if waiting:
@@ -156,7 +157,12 @@ def pod_body(
         "name": name,
         "uid": f"uid-{name}",
         "annotations": {"llmpool.dev/pinned-digest": digest},
+        "labels": {"llmpool.dev/pool": "chat", "pod-template-hash": "5c8d9f"},
     }
+    if replica_set is not None:
+        metadata["ownerReferences"] = [
+            {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": replica_set, "controller": True}
+        ]
     if deleting:
         metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return {

@@ -95,10 +95,11 @@ def test_printer_columns_point_at_schema_fields(crd, schema):
 
 
 def test_enums(schema):
-    assert schema.at("spec", "quantization")["enum"] == ["none", "int8", "fp8"]
+    assert schema.at("spec", "quantization")["enum"] == ["none", "int8"]
     assert schema.at("spec", "kvCacheDtype")["enum"] == ["auto", "fp8"]
     assert schema.at("spec", "drift", "policy")["enum"] == ["Report", "Recreate"]
     assert schema.at("spec", "priorityClass")["enum"] == ["interactive", "batch"]
+    assert schema.at("spec", "maxRequestPriority")["enum"] == ["interactive", "batch"]
 
 
 def test_defaults_match_the_operator(schema):

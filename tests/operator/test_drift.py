@@ -5,7 +5,15 @@ from __future__ import annotations
 import copy
 
 from llmpool import pinning
-from llmpool.operator.drift import DriftEntry, Fingerprint, classify_drift, pods_to_recreate
+from llmpool.operator.drift import (
+    DriftEntry,
+    Fingerprint,
+    Remediation,
+    classify_drift,
+    entries_from_status,
+    pods_to_recreate,
+    remediate,
+)
 from llmpool.operator.views import pod_view
 
 PINNED = pinning.pinned_fields(
@@ -156,3 +164,38 @@ def test_ties_are_never_recreated(make_pod):
     views = pods(make_pod, ("a", {}), ("b", {}))
     kwargs = dict(digest=DIGEST, replicas=2, max_unavailable=1, rollout_in_progress=False)
     assert pods_to_recreate(drifted("a", "b", expected=None), views, **kwargs) == []
+
+
+def test_remediation_backs_off_after_max_attempts():
+    entries = drifted("b")
+    kwargs = dict(checked=2, replicas=2, max_attempts=3)
+    first = remediate(entries, ["b"], attempts=0, **kwargs)
+    assert (first.victims, first.attempts, first.gave_up) == (["b"], 1, None)
+    third = remediate(entries, ["b"], attempts=2, **kwargs)
+    assert (third.victims, third.attempts, third.gave_up) == (["b"], 3, None)
+    spent = remediate(entries, ["b"], attempts=3, **kwargs)
+    assert (spent.victims, spent.attempts) == ([], 3)
+    assert spent.gave_up is not None
+    assert "3 recreation(s)" in spent.gave_up
+    assert "pod b: chatTemplateSha256 is y, expected x" in spent.gave_up
+
+
+def test_remediation_resets_once_every_replica_checks_clean():
+    clean = remediate([], [], checked=2, replicas=2, attempts=3, max_attempts=3)
+    assert clean == Remediation([], 0, None)
+
+
+def test_a_partial_clean_check_keeps_the_count():
+    """The replacement is still starting, or only its healthy sibling answered."""
+    partial = remediate([], [], checked=1, replicas=2, attempts=2, max_attempts=3)
+    assert partial == Remediation([], 2, None)
+
+
+def test_remediation_waits_without_spending_attempts():
+    waiting = remediate(drifted("b"), [], checked=2, replicas=2, attempts=1, max_attempts=3)
+    assert (waiting.victims, waiting.attempts, waiting.gave_up) == ([], 1, None)
+
+
+def test_status_entries_read_back():
+    entries = [DriftEntry("a", "observed.weightsDigest", None, None), *drifted("b")]
+    assert entries_from_status([e.as_status() for e in entries]) == entries

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmpool.operator.main import build_parser
+from llmpool.operator.admission import Policy
+from llmpool.operator.main import build_parser, policy_from_args
 
 
 def test_namespaces_repeat():
@@ -42,4 +43,51 @@ def test_handlers_register_with_kopf():
     assert {h.id for h in registry._indexing.get_all_handlers()} == {
         "engine_pods",
         "engine_deployments",
+        "child_deployments",
+        "child_services",
+        "child_configmaps",
     }
+
+
+def policy(argv: list[str]) -> Policy:
+    parser = build_parser()
+    return policy_from_args(parser, parser.parse_args(["-A", *argv]))
+
+
+def test_admission_defaults(monkeypatch):
+    for name in ("LLMPOOL_ALLOWED_IMAGES", "LLMPOOL_ALLOWED_HOST_PATH_PREFIXES"):
+        monkeypatch.delenv(name, raising=False)
+    found = policy(["--engine-image", "ghcr.io/llmpool/llmpool:0.1.0"])
+    assert found.allowed_images == ("ghcr.io/llmpool/llmpool",)
+    assert not found.allow_host_path_models and found.allowed_host_path_prefixes == ()
+    assert found.max_drift_recreations == 3
+
+
+def test_admission_flags_and_environment(monkeypatch):
+    monkeypatch.setenv("LLMPOOL_ALLOWED_IMAGES", "a/b, c/")
+    assert policy([]).allowed_images == ("a/b", "c/")
+    assert policy(["--allowed-image", "x/y"]).allowed_images == ("x/y",)  # flags replace env
+    found = policy(
+        [
+            "--allow-host-path-models",
+            "--allowed-host-path-prefix",
+            "/models",
+            "--max-drift-recreations",
+            "1",
+        ]
+    )
+    assert found.allow_host_path_models and found.allowed_host_path_prefixes == ("/models",)
+    assert found.max_drift_recreations == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--allow-host-path-models"],
+        ["--allow-host-path-models", "--allowed-host-path-prefix", "models"],
+        ["--max-drift-recreations", "-1"],
+    ],
+)
+def test_contradictory_admission_flags(argv, capsys):
+    with pytest.raises(SystemExit):
+        policy(argv)

@@ -56,7 +56,7 @@ def test_spec_and_engine_agree_without_template(batch_spec):
     "change",
     [
         {"quantization": "int8"},
-        {"quantization": "fp8", "kvCacheDtype": "fp8"},
+        {"quantization": "int8", "kvCacheDtype": "fp8"},
         {"maxModelLen": 1024},
         {"engine": {"blockSize": 32}},
         {"model": {"source": "pvc://models/llama", "revision": "sha256:" + "1" * 64}},
@@ -203,4 +203,5 @@ def test_the_engine_accepts_the_examples_arguments(chat_spec, batch_spec, repo_r
         args = cli.build_parser().parse_args(engine_args(PoolSpec.from_dict(spec)))
         config = cli.engine_config(args)
         assert config.max_model_len == spec["maxModelLen"]
+        assert config.max_request_priority == spec["priorityClass"]
         assert config.kv_cache_memory == quantity_bytes(spec["engine"]["kvCacheMemory"])

@@ -41,6 +41,7 @@ def test_engine_args_carry_the_spec(chat_spec):
     assert flag(args, "--kv-cache-memory") == str(256 * 1024**2)
     assert flag(args, "--chat-template") == "/etc/llmpool/chat-template/template"
     assert flag(args, "--priority-class") == "interactive"
+    assert flag(args, "--max-request-priority") == "interactive"  # the pool's own class
     assert flag(args, "--port") == "8000" and flag(args, "--host") == "0.0.0.0"
     assert "--enable-prefix-caching" in args
     assert "--quantization" not in args  # none is the engine's default
@@ -57,7 +58,14 @@ def test_engine_args_optional_flags(batch_spec):
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
     assert flag(args, "--max-queue") == "100"
     assert flag(args, "--priority-class") == "batch"
+    assert flag(args, "--max-request-priority") == "batch"
     assert "--chat-template" not in args
+
+
+def test_max_request_priority_is_rendered_when_set(batch_spec):
+    args = engine_args(PoolSpec.from_dict({**batch_spec, "maxRequestPriority": "interactive"}))
+    assert flag(args, "--priority-class") == "batch"
+    assert flag(args, "--max-request-priority") == "interactive"
 
 
 def test_deployment_shape(chat_spec, chat_template):
@@ -146,7 +154,7 @@ def test_scaling_keeps_the_pod_template(chat_spec, chat_template):
 
 @pytest.mark.parametrize(
     "change",
-    [{"maxModelLen": 4096}, {"quantization": "fp8"}, {"engine": {"blockSize": 32}}],
+    [{"maxModelLen": 4096}, {"quantization": "int8"}, {"engine": {"blockSize": 32}}],
 )
 def test_pinned_change_changes_the_digest_annotation(chat_spec, chat_template, change):
     before = render(chat_spec, chat_template)["spec"]["template"]["metadata"]["annotations"]

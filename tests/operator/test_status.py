@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmpool.operator import naming
+from llmpool.operator.admission import Refusal
 from llmpool.operator.conditions import find
 from llmpool.operator.drift import DriftEntry
 from llmpool.operator.status import (
@@ -64,6 +65,30 @@ def test_not_ready_while_old_pods_remain(make_pod, make_deployment):
     status = status_of(observe(make_pod, make_deployment, pods, deployment))
     assert condition(status, "Ready") == ("False", "RollingOut")
     assert "old" in find(status["conditions"], "Ready")["message"]
+
+
+def test_look_alike_pods_do_not_keep_the_pool_rolling_out(make_pod, make_deployment):
+    """A pod with the pool label but no ReplicaSet of the pool (a debugging copy, say)."""
+    pods = [("a", {}), ("b", {}), ("copy", {"digest": OLD, "replica_set": None})]
+    pods.append(("other", {"digest": OLD, "replica_set": "someone-else-5c8d9f"}))
+    status = status_of(observe(make_pod, make_deployment, pods))
+    assert condition(status, "Ready") == ("True", "AllReplicasReady")
+    assert condition(status, "Progressing") == ("False", "RolloutComplete")
+
+
+def test_a_blocked_pool_is_neither_ready_nor_progressing(make_pod, make_deployment):
+    blocked = Refusal("ImageNotAllowed", "spec.image evil:1 is not allowed")
+    status = status_of(observe(make_pod, make_deployment, [("a", {}), ("b", {})], blocked=blocked))
+    for kind, expected in (("Ready", "False"), ("Progressing", "False"), ("Degraded", "True")):
+        assert condition(status, kind) == (expected, "ImageNotAllowed")
+        assert find(status["conditions"], kind)["message"] == blocked.message
+
+
+def test_drift_that_persists_is_degraded(make_pod, make_deployment):
+    observation = observe(
+        make_pod, make_deployment, [("a", {}), ("b", {})], drift_persists="3 recreation(s) ..."
+    )
+    assert condition(status_of(observation), "Degraded") == ("True", "DriftPersists")
 
 
 def test_not_ready_before_the_deployment_controller_saw_the_template(make_pod, make_deployment):

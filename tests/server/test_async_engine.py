@@ -18,6 +18,7 @@ from llmpool.engine.server.async_engine import (
     ChildRequest,
     EngineStoppedError,
     QueueFullError,
+    RequestFailedError,
 )
 
 
@@ -33,9 +34,15 @@ class ScriptedCore:
     A step sleeps briefly, as a forward pass releases the GIL, so the event loop keeps pace.
     """
 
-    def __init__(self, max_num_seqs: int = 2, fail_on_step: int | None = None) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int = 2,
+        fail_on_step: int | None = None,
+        fail_request: str | None = None,
+    ) -> None:
         self.max_num_seqs = max_num_seqs
         self.fail_on_step = fail_on_step
+        self.fail_request = fail_request  # this request fails alone on its second step
         self.steps = 0
         self.scheduler = SimpleNamespace(requests={})
         self.aborted: list[str] = []
@@ -60,6 +67,19 @@ class ScriptedCore:
             raise RuntimeError("scripted failure")
         deltas = []
         for request_id, request in list(self.scheduler.requests.items())[: self.max_num_seqs]:
+            if request_id == self.fail_request and request.status == RequestStatus.RUNNING:
+                del self.scheduler.requests[request_id]
+                deltas.append(
+                    RequestDelta(
+                        request_id,
+                        [],
+                        "",
+                        finished=True,
+                        finish_reason="error",
+                        error="IndexError: scripted",
+                    )  # fmt: skip
+                )
+                continue
             request.status = RequestStatus.RUNNING
             request.remaining -= 1
             finished = request.remaining == 0
@@ -152,4 +172,23 @@ async def test_a_failing_engine_loop_fails_its_requests_and_stops() -> None:
     assert engine.error is not None and not engine.running
     with pytest.raises(EngineStoppedError):
         await engine.submit("again", children(1))
+    await engine.shutdown()
+
+
+async def test_a_request_failed_by_the_engine_ends_its_stream_and_aborts_its_siblings() -> None:
+    core = ScriptedCore(max_num_seqs=4, fail_request="r-1")
+    engine = await started(core)
+    stream = await engine.submit("r", children(2, max_tokens=10**9))
+    with pytest.raises(RequestFailedError, match="IndexError: scripted"):
+        async for _ in stream:
+            pass
+    stream.abort()
+    for _ in range(50):
+        if not core.scheduler.requests:
+            break
+        await asyncio.sleep(0.02)
+    assert core.aborted == ["r-0"]
+    assert engine.running and engine.error is None  # the loop goes on
+    after = await engine.submit("after", children(1))
+    assert [delta.finished async for _, delta in after][-1]
     await engine.shutdown()

@@ -54,7 +54,7 @@ BAD_BODIES = {
     "stream string": ("/v1/completions", {**COMPLETION, "stream": "yes"}, "stream"),
     "stop numbers": ("/v1/completions", {**COMPLETION, "stop": [1, 2]}, "stop"),
     "logprobs too many": ("/v1/completions", {**COMPLETION, "logprobs": 99}, "logprobs"),
-    "token id out of vocabulary": ("/v1/completions", {**COMPLETION, "prompt": [10**9]}, None),
+    "token id out of vocabulary": ("/v1/completions", {**COMPLETION, "prompt": [10**9]}, "prompt"),
     "lone surrogate": ("/v1/completions", {**COMPLETION, "prompt": "\ud800"}, "prompt"),
     "messages missing": ("/v1/chat/completions", {"model": MODEL}, "messages"),
     "messages empty": ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
@@ -75,6 +75,27 @@ BAD_BODIES = {
     "unknown priority class": ("/v1/completions", {**COMPLETION, "priority": "vip"}, "priority"),
     "cache_salt number": ("/v1/completions", {**COMPLETION, "cache_salt": 5}, "cache_salt"),
     "top_logprobs without logprobs": ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    # Each of these used to reach the engine loop and kill it, or answered with torch's words.
+    "stop token id beyond vocabulary": (
+        "/v1/completions", {**COMPLETION, "min_tokens": 1, "stop_token_ids": [999999]}, "stop_token_ids",
+    ),
+    "stop token id negative": ("/v1/completions", {**COMPLETION, "stop_token_ids": [-3]}, "stop_token_ids"),
+    "seed beyond 64 bits": ("/v1/completions", {**COMPLETION, "seed": 2**64}, "seed"),
+    "priority beyond int32": ("/v1/completions", {**COMPLETION, "priority": 10**30}, "priority"),
+    "priority above the pool's": ("/v1/completions", {**COMPLETION, "priority": -1}, "priority"),
+    "temperature NaN": ("/v1/completions", {**COMPLETION, "temperature": float("nan")}, "temperature"),
+    "top_p infinite": ("/v1/completions", {**COMPLETION, "top_p": float("inf")}, "top_p"),
+    "penalty huge integer": ("/v1/completions", {**COMPLETION, "presence_penalty": 10**400}, "presence_penalty"),
+    "logit_bias id beyond vocabulary": ("/v1/completions", {**COMPLETION, "logit_bias": {"999999": 5}}, "logit_bias"),
+    "logit_bias key not an id": ("/v1/completions", {**COMPLETION, "logit_bias": {"hello": 5}}, "logit_bias"),
+    "logit_bias value too large": ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 101}}, "logit_bias"),
+    # Fields this server does not implement are refused by name, never silently ignored.
+    "tools": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    "tool_choice": ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
+    "functions": ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
+    "response_format json": ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    "suffix": ("/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix"),
+    "echo": ("/v1/completions", {**COMPLETION, "echo": True}, "echo"),
 }  # fmt: skip
 
 
@@ -164,6 +185,19 @@ async def test_a_thousand_concurrent_requests_against_max_queue(server) -> None:
             assert assert_openai_error(response, 429)["code"] == "rate_limit_exceeded"
         else:
             assert response.json()["usage"]["completion_tokens"] == 1
+
+
+def test_top_k_beyond_the_vocabulary_is_served_as_no_top_k(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", json={**COMPLETION, "top_k": 10**23})
+    assert response.status_code == 200, response.text
+    assert http.get("/health").status_code == 200
+
+
+def test_logit_bias_forces_a_token(http: httpx.Client) -> None:
+    body = {**COMPLETION, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 0}
+    body["logit_bias"] = {"42": 100}
+    tokens = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 3 and len(set(tokens)) == 1, tokens
 
 
 def test_server_still_serves_and_leaked_no_kv_blocks(server, http: httpx.Client) -> None:

@@ -46,6 +46,7 @@ def test_every_flag_can_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
         (["--quantization", "int8"], "quantization"),
         (["--kv-cache-dtype", "fp8"], "kv_cache_dtype"),
         (["--priority-class", "batch"], "priority_class"),
+        (["--max-request-priority", "interactive"], "max_request_priority"),
         (["--no-enable-prefix-caching"], "enable_prefix_caching"),
     ],
 )
@@ -114,3 +115,16 @@ def test_chat_template_file_is_used_and_pinned(
         assert pinned["servedName"] == "smol" and pinned["source"] == str(folder_without_template)
     finally:
         assert server.terminate() == 0
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--quantization", "fp8"], ["--kv-cache-dtype", "int4"], ["--max-request-priority", "vip"]],
+)
+def test_options_the_engine_cannot_run_are_refused_by_the_parser(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(flags)
+    assert exited.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""`llmpool gateway`: serve one OpenAI endpoint for the LLMPools of the watched namespaces."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import uvicorn
+
+from llmpool.gateway import routing
+from llmpool.gateway.app import GatewaySettings, build_app
+from llmpool.gateway.pools import PoolTable
+from llmpool.gateway.watch import TableWatcher, resources
+from llmpool.operator.kube import load_credentials
+
+DEFAULT_PORT = 8080
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmpool gateway",
+        description="One OpenAI endpoint for every LLMPool: routes by model, priority, prefix"
+        " cache, load and drift.",
+    )
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="a namespace whose pools to serve (repeat for more); none: every namespace",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMPOOL_GATEWAY_API_KEY"),
+        help="require 'Authorization: Bearer KEY' [env LLMPOOL_GATEWAY_API_KEY]; the header"
+        " is passed on to the engines either way",
+    )
+    parser.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=routing.DEFAULT_PREFIX_CHARS,
+        help="prompt characters hashed for prefix affinity",
+    )
+    parser.add_argument(
+        "--load-factor",
+        type=float,
+        default=routing.DEFAULT_LOAD_FACTOR,
+        help="a replica above this times the mean load loses its affinity traffic",
+    )
+    parser.add_argument(
+        "--hold-timeout",
+        type=float,
+        default=GatewaySettings.hold_timeout,
+        help="seconds a request waits for a pool without ready replicas before a 503",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=GatewaySettings.scrape_interval,
+        help="seconds between scrapes of each replica's /metrics and /fingerprint",
+    )
+    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> GatewaySettings:
+    if args.prefix_chars < 1:
+        raise ValueError(f"--prefix-chars must be at least 1, got {args.prefix_chars}")
+    if args.load_factor < 1:
+        raise ValueError(f"--load-factor must be at least 1.0, got {args.load_factor}")
+    if args.hold_timeout < 0 or args.scrape_interval <= 0:
+        raise ValueError("--hold-timeout must be >= 0 and --scrape-interval > 0")
+    return GatewaySettings(
+        api_key=args.api_key,
+        prefix_chars=args.prefix_chars,
+        load_factor=args.load_factor,
+        hold_timeout=args.hold_timeout,
+        scrape_interval=args.scrape_interval,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logger = logging.getLogger("llmpool.gateway")
+    try:
+        settings = settings_from(args)
+    except ValueError as error:
+        logger.error("cannot start: %s", error)
+        return 2
+    load_credentials()
+    table = PoolTable()
+    watcher = TableWatcher(table, resources(args.namespace))
+    app = build_app(table, settings, background=[watcher.run])
+    # No access log: request lines are fine, but this gateway never logs anything of a body.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

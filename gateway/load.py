@@ -1,0 +1,154 @@
+"""How loaded each replica and pool is: engine gauges scraped on a period plus requests counted here.
+
+The scrape sees every gateway replica's traffic but is up to one period old; the local in-flight
+count is exact for this gateway at routing time, so a burst never piles onto the replica that
+looked idle at the last scrape. A replica's load is the larger of the two. The autoscaler reads
+the same numbers per pool through ``LoadTracker.pool_load``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmpool.gateway.pools import Pool, PoolKey, PoolTable, Replica
+
+logger = logging.getLogger(__name__)
+
+# The engine's gauges (engine/server/metrics.py) and the ReplicaLoad field each one fills.
+ENGINE_GAUGES = {
+    "llmpool:num_requests_running": "running",
+    "llmpool:num_requests_waiting": "waiting",
+    "llmpool:kv_cache_usage_perc": "kv_cache_usage",
+}
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    in_flight: int = 0  # requests this gateway sent and has not seen finish
+    running: float = 0.0  # last scrape
+    waiting: float = 0.0  # last scrape
+    kv_cache_usage: float = 0.0  # last scrape, 0..1
+    digest: str | None = None  # the replica's /fingerprint digest; None until known
+
+    @property
+    def load(self) -> float:
+        """Requests on the replica: the scrape counts ours too, so the larger of the two."""
+        return max(float(self.in_flight), self.running + self.waiting)
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """One pool's load as the gateway sees it: what an autoscaler needs to size the pool."""
+
+    pool: str  # namespace/name
+    replicas: dict[str, ReplicaLoad]  # by replica URL
+    held: int  # requests waiting in the gateway for a replica of this pool
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas.values())
+
+    @property
+    def demand(self) -> float:
+        """Requests the pool has to serve now: on its replicas plus held for it."""
+        return sum(r.load for r in self.replicas.values()) + self.held
+
+
+def parse_engine_gauges(text: str) -> dict[str, float]:
+    """The load gauges from an engine's ``/metrics`` text, summed over label sets."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            field = ENGINE_GAUGES.get(sample.name)
+            if field is not None:
+                values[field] = values.get(field, 0.0) + sample.value
+    return values
+
+
+class LoadTracker:
+    """Per-replica load, updated by routing (in-flight) and by the scraper (gauges, digest)."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, ReplicaLoad] = {}
+        self._held: Counter[PoolKey] = Counter()
+
+    def get(self, replica: Replica) -> ReplicaLoad:
+        return self._replicas.get(replica.url, ReplicaLoad())
+
+    def _update(self, replica: Replica, **changes: Any) -> None:
+        self._replicas[replica.url] = replace(self.get(replica), **changes)
+
+    def begin(self, replica: Replica) -> None:
+        """A request was sent to ``replica``; ``end`` when its response is over, however it ends."""
+        self._update(replica, in_flight=self.get(replica).in_flight + 1)
+
+    def end(self, replica: Replica) -> None:
+        self._update(replica, in_flight=self.get(replica).in_flight - 1)
+
+    @contextlib.contextmanager
+    def held(self, pool: Pool) -> Iterator[None]:
+        self._held[pool.key] += 1
+        try:
+            yield
+        finally:
+            self._held[pool.key] -= 1
+
+    def replicas(self) -> dict[str, ReplicaLoad]:
+        """Every tracked replica's load, by URL."""
+        return dict(self._replicas)
+
+    def held_count(self, pool: Pool) -> int:
+        return self._held[pool.key]
+
+    def record_scrape(self, replica: Replica, gauges: dict[str, float]) -> None:
+        self._update(replica, **gauges)
+
+    def record_digest(self, replica: Replica, digest: str | None) -> None:
+        self._update(replica, digest=digest)
+
+    def forget_except(self, replicas: Sequence[Replica]) -> None:
+        """Drop replicas that left every pool, unless requests to them are still running."""
+        keep = {r.url for r in replicas}
+        self._replicas = {
+            url: load for url, load in self._replicas.items() if url in keep or load.in_flight > 0
+        }
+
+    def pool_load(self, pool: Pool, replicas: Sequence[Replica]) -> PoolLoad:
+        return PoolLoad(
+            pool=pool.label,
+            replicas={r.url: self.get(r) for r in replicas},
+            held=self.held_count(pool),
+        )
+
+
+async def scrape_replica(client: httpx.AsyncClient, tracker: LoadTracker, replica: Replica) -> None:
+    """Gauges from /metrics and the digest from /fingerprint; a failure keeps the last values."""
+    try:
+        metrics = await client.get(f"{replica.url}/metrics")
+        metrics.raise_for_status()
+        tracker.record_scrape(replica, parse_engine_gauges(metrics.text))
+        fingerprint = await client.get(f"{replica.url}/fingerprint")
+        fingerprint.raise_for_status()
+        digest = fingerprint.json().get("digest")
+        tracker.record_digest(replica, digest if isinstance(digest, str) else None)
+    except (httpx.HTTPError, ValueError, AttributeError) as error:
+        logger.debug("scrape of %s failed: %s", replica.url, error)
+
+
+async def scrape_forever(
+    table: PoolTable, tracker: LoadTracker, client: httpx.AsyncClient, interval: float
+) -> None:
+    while True:
+        replicas = table.all_replicas()
+        tracker.forget_except(replicas)
+        await asyncio.gather(*(scrape_replica(client, tracker, r) for r in replicas))
+        await asyncio.sleep(interval)

@@ -1,0 +1,175 @@
+"""The routing table: LLMPools and the ready replicas behind each pool's Service."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmpool.operator import conditions, naming
+from llmpool.operator.spec import PoolSpec
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set by Kubernetes on every EndpointSlice
+
+PoolKey = tuple[str, str]  # (namespace, name)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One engine pod as the gateway reaches it; ``name`` is the pod's (what status.drift names)."""
+
+    name: str
+    url: str
+
+
+@dataclass(frozen=True)
+class Pool:
+    namespace: str
+    name: str
+    served_name: str
+    priority_class: str
+    ready: bool  # the Ready condition; a pool that is not Ready may still have ready replicas
+    pinned_digest: str | None
+    drifted: frozenset[str]  # pods listed in status.drift
+
+    @property
+    def key(self) -> PoolKey:
+        return (self.namespace, self.name)
+
+    @property
+    def label(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def pool_from_object(obj: Mapping[str, Any]) -> Pool:
+    """A pool from an LLMPool object as the API server returns it (defaults as the CRD's)."""
+    metadata = obj["metadata"]
+    spec = PoolSpec.from_dict(obj["spec"])
+    status = obj.get("status") or {}
+    ready = conditions.find(status.get("conditions") or [], conditions.READY)
+    return Pool(
+        namespace=metadata["namespace"],
+        name=metadata["name"],
+        served_name=spec.served_name,
+        priority_class=spec.priority_class,
+        ready=ready is not None and ready.get("status") == "True",
+        pinned_digest=status.get("pinnedDigest"),
+        drifted=frozenset(entry["pod"] for entry in status.get("drift") or [] if "pod" in entry),
+    )
+
+
+def replicas_from_slice(endpoint_slice: Mapping[str, Any]) -> list[Replica]:
+    """The ready endpoints of an EndpointSlice (an unset ``ready`` means ready, as the API says)."""
+    ports = endpoint_slice.get("ports") or []
+    port = next(
+        (p["port"] for p in ports if p.get("name") == naming.ENGINE_PORT_NAME and p.get("port")),
+        naming.ENGINE_PORT,
+    )
+    replicas = []
+    for endpoint in endpoint_slice.get("endpoints") or []:
+        if (endpoint.get("conditions") or {}).get("ready") is False or not endpoint.get(
+            "addresses"
+        ):
+            continue
+        address = endpoint["addresses"][0]
+        host = f"[{address}]" if ":" in address else address
+        pod = (endpoint.get("targetRef") or {}).get("name") or address
+        replicas.append(Replica(name=pod, url=f"http://{host}:{port}"))
+    return replicas
+
+
+@dataclass(frozen=True)
+class _Slice:
+    namespace: str
+    service: str
+    replicas: tuple[Replica, ...]
+
+
+class PoolTable:
+    """Pools and EndpointSlices as last seen; changed only on the event loop's thread.
+
+    ``wait_for_change`` lets a request held for a pool without replicas wake up when one appears.
+    """
+
+    def __init__(self) -> None:
+        self._pools: dict[PoolKey, Pool] = {}
+        self._slices: dict[PoolKey, _Slice] = {}  # (namespace, slice name) -> slice
+        self._changed = asyncio.Event()
+        self.synced = False  # True once the first lists are in; until then, every model is 404
+
+    # --- updates ------------------------------------------------------------------------------
+
+    def set_pool(self, pool: Pool) -> None:
+        self._pools[pool.key] = pool
+        self._notify()
+
+    def delete_pool(self, key: PoolKey) -> None:
+        self._pools.pop(key, None)
+        self._notify()
+
+    def reset_pools(self, namespace: str | None, pools: Iterable[Pool]) -> None:
+        """Replace the pools of ``namespace`` (None: of every namespace) after a re-list."""
+        self._pools = {k: p for k, p in self._pools.items() if namespace not in (None, k[0])}
+        self._pools.update((p.key, p) for p in pools)
+        self._notify()
+
+    def set_slice(self, endpoint_slice: Mapping[str, Any]) -> None:
+        metadata = endpoint_slice["metadata"]
+        service = (metadata.get("labels") or {}).get(SERVICE_NAME_LABEL)
+        key = (metadata["namespace"], metadata["name"])
+        if service is None:
+            self._slices.pop(key, None)
+        else:
+            replicas = tuple(replicas_from_slice(endpoint_slice))
+            self._slices[key] = _Slice(metadata["namespace"], service, replicas)
+        self._notify()
+
+    def delete_slice(self, key: PoolKey) -> None:
+        self._slices.pop(key, None)
+        self._notify()
+
+    def reset_slices(self, namespace: str | None, slices: Iterable[Mapping[str, Any]]) -> None:
+        self._slices = {k: s for k, s in self._slices.items() if namespace not in (None, k[0])}
+        for endpoint_slice in slices:
+            self.set_slice(endpoint_slice)
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_for_change(self) -> None:
+        await self._changed.wait()
+
+    # --- queries ------------------------------------------------------------------------------
+
+    def pool(self, key: PoolKey) -> Pool | None:
+        return self._pools.get(key)
+
+    def pools(self) -> list[Pool]:
+        return sorted(self._pools.values(), key=lambda p: p.key)
+
+    def pools_serving(self, model: str) -> list[Pool]:
+        return [p for p in self.pools() if p.served_name == model]
+
+    def served_models(self) -> list[str]:
+        """Served names of the Ready pools, each once."""
+        return sorted({p.served_name for p in self._pools.values() if p.ready})
+
+    def replicas(self, pool: Pool) -> list[Replica]:
+        """Ready replicas behind the pool's Service, each once, in a stable order."""
+        service = naming.service_name(pool.name)
+        found = {
+            replica.url: replica
+            for s in self._slices.values()
+            if s.namespace == pool.namespace and s.service == service
+            for replica in s.replicas
+        }
+        return sorted(found.values(), key=lambda r: r.url)
+
+    def all_replicas(self) -> list[Replica]:
+        return sorted(
+            {r.url: r for pool in self._pools.values() for r in self.replicas(pool)}.values(),
+            key=lambda r: r.url,
+        )

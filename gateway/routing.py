@@ -1,0 +1,171 @@
+"""Routing decisions as pure functions: which pool serves a request, and which replica runs it.
+
+Prefix affinity: the key is a hash of the first ``prefix_chars`` characters of the request's
+raw prompt (the completion prompt, or the chat messages as ``role: content`` lines; not the
+rendered chat template, which only the engine knows). Replicas are ranked for a key by
+rendezvous hashing, so a key keeps its replica while replicas come and go elsewhere, and every
+gateway replica ranks alike without sharing state. The first-ranked replica takes the request
+unless its load is at the bound of consistent hashing with bounded loads,
+``ceil(load_factor * (total load + 1) / replicas)``; then the least-loaded replica does, chosen
+at random among ties.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llmpool.engine.priority import PRIORITY_CLASSES
+from llmpool.gateway.pools import Pool, Replica
+
+DEFAULT_PREFIX_CHARS = 1024  # ~256 tokens: the first 16 KV blocks of 16 tokens
+DEFAULT_LOAD_FACTOR = 1.25  # KubeAI's and the CHWBL paper's bound
+DEFAULT_PRIORITY_CLASS = "interactive"
+
+AFFINITY = "affinity"  # the key's first-ranked replica
+SPILL = "spill"  # the first-ranked replica was at its bound: least-loaded instead
+RETRY = "retry"  # another replica after a connect error or a 503 before the first byte
+
+NO_READY_REPLICA = "no_ready_replica"
+REPLICAS_DRIFTED = "replicas_drifted"
+
+
+class RoutingError(Exception):
+    """No replica can take the request; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def prompt_text(body: Mapping[str, Any]) -> str:
+    """The raw prompt of a completions or chat body, as text in the order the model reads it."""
+    if "messages" in body:
+        lines = []
+        for message in body.get("messages") or []:
+            if isinstance(message, Mapping):
+                lines.append(f"{message.get('role')}: {_content_text(message.get('content'))}")
+        return "\n".join(lines)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of prompts: the first one's replica serves them all
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    return content if isinstance(content, str) else ""
+
+
+def prefix_key(text: str, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> bytes:
+    return hashlib.blake2b(text[:prefix_chars].encode("utf-8", "replace"), digest_size=16).digest()
+
+
+def requested_class(body_priority: Any, header: str | None) -> str | None:
+    """The priority class asked for: the body's ``priority`` first, then the header.
+
+    A class name is taken as is; an integer (vLLM's priority, lower runs first) maps to the
+    class with the largest priority not above it.
+    """
+    value = body_priority if body_priority is not None else header
+    if value is None:
+        return None
+    if isinstance(value, str) and value in PRIORITY_CLASSES:
+        return value
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        names = ", ".join(PRIORITY_CLASSES)
+        raise RoutingError(
+            400, f"priority must be an integer or one of {names}, got {value!r}", "invalid_priority"
+        ) from None
+    fitting = [name for name, rank in PRIORITY_CLASSES.items() if rank <= number]
+    return max(fitting, key=PRIORITY_CLASSES.__getitem__) if fitting else DEFAULT_PRIORITY_CLASS
+
+
+def choose_pool(pools: Sequence[Pool], wanted: str | None) -> Pool:
+    """The pool of the wanted class (the interactive one without a wish), Ready ones first.
+
+    A model served by pools of other classes only is still served: by one of those.
+    """
+    if not pools:
+        raise ValueError("choose_pool needs at least one pool")
+    wanted = wanted or DEFAULT_PRIORITY_CLASS
+    return min(pools, key=lambda p: (p.priority_class != wanted, not p.ready, p.key))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    replica: Replica
+    load: float
+    digest: str | None  # from its /fingerprint; None: not known yet
+
+
+def routable(pool: Pool, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The replicas that may take traffic: none listed in status.drift, none with a wrong digest.
+
+    Raises a 503 when there are replicas but every one of them drifted, or when there are none.
+    """
+    if not candidates:
+        raise RoutingError(503, f"pool {pool.label} has no ready replica", NO_READY_REPLICA)
+    healthy = [c for c in candidates if not drifted(pool, c)]
+    if not healthy:
+        raise RoutingError(
+            503,
+            f"every ready replica of pool {pool.label} drifted from its pin; retry later",
+            REPLICAS_DRIFTED,
+        )
+    return healthy
+
+
+def drifted(pool: Pool, candidate: Candidate) -> bool:
+    if candidate.replica.name in pool.drifted:
+        return True
+    return None not in (candidate.digest, pool.pinned_digest) and (
+        candidate.digest != pool.pinned_digest
+    )
+
+
+def rank(key: bytes, replicas: Sequence[Candidate]) -> list[Candidate]:
+    """Rendezvous (highest random weight) order of the replicas for a key."""
+
+    def weight(candidate: Candidate) -> bytes:
+        return hashlib.blake2b(key + candidate.replica.name.encode(), digest_size=8).digest()
+
+    return sorted(replicas, key=weight, reverse=True)
+
+
+def load_bound(candidates: Sequence[Candidate], load_factor: float) -> float:
+    total = sum(c.load for c in candidates)
+    return math.ceil(load_factor * (total + 1) / len(candidates))
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: Replica
+    reason: str  # AFFINITY, SPILL or RETRY
+
+
+def choose_replica(
+    key: bytes,
+    candidates: Sequence[Candidate],
+    *,
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+    rng: random.Random | None = None,
+) -> Decision:
+    """The key's first-ranked replica unless its load is at the bound, else the least loaded."""
+    if not candidates:
+        raise ValueError("choose_replica needs at least one candidate")
+    preferred = rank(key, candidates)[0]
+    if preferred.load + 1 <= load_bound(candidates, load_factor):
+        return Decision(preferred.replica, AFFINITY)
+    lowest = min(c.load for c in candidates)
+    ties = [c for c in candidates if c.load == lowest]
+    return Decision((rng or random).choice(ties).replica, SPILL)

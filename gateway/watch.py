@@ -1,0 +1,170 @@
+"""The routing table kept in step with the API server: list, watch from there, re-list on 410.
+
+The official client is synchronous, so each list-watch loop runs in a daemon thread of its own
+and hands every change to the event loop, which alone touches the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes
+from kubernetes.client import ApiException
+
+from llmpool.gateway.pools import SERVICE_NAME_LABEL, Pool, PoolTable, pool_from_object
+from llmpool.operator import naming
+
+logger = logging.getLogger(__name__)
+
+WATCH_TIMEOUT_SECONDS = 60  # the server ends each watch after this; the loop resumes it
+RETRY_DELAY_SECONDS = 2.0
+
+Object = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One kind of object in one namespace (None: all namespaces), and what to do with it."""
+
+    kind: str
+    namespace: str | None
+    list_call: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+
+
+def resources(namespaces: Sequence[str]) -> list[Resource]:
+    """LLMPools and the EndpointSlices of Services, per namespace, or cluster-wide without any."""
+    custom = kubernetes.client.CustomObjectsApi()
+    discovery = kubernetes.client.DiscoveryV1Api()
+    slices = {"label_selector": SERVICE_NAME_LABEL}
+    pool_args = (naming.GROUP, naming.VERSION)
+    if not namespaces:
+        return [
+            Resource(
+                "pools", None, custom.list_cluster_custom_object, (*pool_args, naming.PLURAL), {}
+            ),
+            Resource("slices", None, discovery.list_endpoint_slice_for_all_namespaces, (), slices),
+        ]
+    found = []
+    for namespace in namespaces:
+        found += [
+            Resource(
+                "pools",
+                namespace,
+                custom.list_namespaced_custom_object,
+                (*pool_args, namespace, naming.PLURAL),
+                {},
+            ),
+            Resource(
+                "slices", namespace, discovery.list_namespaced_endpoint_slice, (namespace,), slices
+            ),
+        ]
+    return found
+
+
+class TableWatcher:
+    """Feeds a PoolTable from list-watch loops; marks it synced once every first list is in."""
+
+    def __init__(self, table: PoolTable, watched: Sequence[Resource]) -> None:
+        self.table = table
+        self.watched = watched
+        self._unsynced = set(range(len(watched)))
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def run(self) -> None:
+        """Runs until cancelled (the app's lifespan ends)."""
+        self._loop = asyncio.get_running_loop()
+        threads = [
+            threading.Thread(target=self._list_watch, args=(i, r), daemon=True, name=r.kind)
+            for i, r in enumerate(self.watched)
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._stop.set()
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(callback, *args)
+
+    def _list_watch(self, index: int, resource: Resource) -> None:
+        while not self._stop.is_set():
+            try:
+                version = self._list(index, resource)
+                self._watch(resource, version)
+            except ApiException as error:
+                if error.status != 410:
+                    logger.warning("watching %s failed: %s", resource.kind, error)
+                    self._stop.wait(RETRY_DELAY_SECONDS)
+            except Exception:
+                logger.exception("watching %s failed", resource.kind)
+                self._stop.wait(RETRY_DELAY_SECONDS)
+
+    def _list(self, index: int, resource: Resource) -> str:
+        response = resource.list_call(*resource.args, **resource.kwargs, _preload_content=False)
+        listed = json.loads(response.data)
+        items = listed.get("items") or []
+        self._post(self._apply_list, index, resource, items)
+        return listed["metadata"]["resourceVersion"]
+
+    def _watch(self, resource: Resource, version: str) -> None:
+        watch = kubernetes.watch.Watch()
+        while not self._stop.is_set():
+            for event in watch.stream(
+                resource.list_call,
+                *resource.args,
+                **resource.kwargs,
+                resource_version=version,
+                timeout_seconds=WATCH_TIMEOUT_SECONDS,
+            ):
+                if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                    self._post(self._apply_event, resource, event["type"], event["raw_object"])
+                if self._stop.is_set():
+                    return
+            version = watch.resource_version or version
+
+    # --- on the event loop --------------------------------------------------------------------
+
+    def _apply_list(self, index: int, resource: Resource, items: list[Object]) -> None:
+        if resource.kind == "pools":
+            self.table.reset_pools(resource.namespace, _pools(items))
+        else:
+            self.table.reset_slices(resource.namespace, items)
+        self._unsynced.discard(index)
+        if not self._unsynced and not self.table.synced:
+            self.table.synced = True
+            logger.info("watching %d pool(s)", len(self.table.pools()))
+
+    def _apply_event(self, resource: Resource, kind: str, obj: Object) -> None:
+        metadata = obj["metadata"]
+        key = (metadata["namespace"], metadata["name"])
+        if resource.kind == "pools":
+            if kind == "DELETED":
+                self.table.delete_pool(key)
+            else:
+                for pool in _pools([obj]):
+                    self.table.set_pool(pool)
+        elif kind == "DELETED":
+            self.table.delete_slice(key)
+        else:
+            self.table.set_slice(obj)
+
+
+def _pools(items: list[Object]) -> list[Pool]:
+    pools = []
+    for item in items:
+        try:
+            pools.append(pool_from_object(item))
+        except (KeyError, TypeError) as error:
+            logger.warning("skipping LLMPool %s: %r", item.get("metadata", {}).get("name"), error)
+    return pools

@@ -1,0 +1,97 @@
+"""Which pools the operator agrees to run: engine images and node paths its administrator allows.
+
+The operator creates engine pods with its own RBAC from whatever a pool's author writes, so
+``spec.image`` and ``file://`` sources (hostPath mounts of a node path) are checked against
+operator settings first; a refused pool gets a condition and an Event, and no children.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+
+from llmpool.operator.spec import PoolSpec
+
+IMAGE_NOT_ALLOWED = "ImageNotAllowed"
+HOST_PATH_NOT_ALLOWED = "HostPathNotAllowed"
+DEFAULT_MAX_DRIFT_RECREATIONS = 3
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The operator's settings about what pools may ask for (`llmpool operator` flags)."""
+
+    engine_image: str
+    allowed_images: tuple[str, ...]
+    allow_host_path_models: bool = False
+    allowed_host_path_prefixes: tuple[str, ...] = ()
+    max_drift_recreations: int = DEFAULT_MAX_DRIFT_RECREATIONS
+
+    @classmethod
+    def default(cls, engine_image: str) -> Policy:
+        return cls(engine_image=engine_image, allowed_images=(image_repository(engine_image),))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+    message: str
+
+
+def image_repository(image: str) -> str:
+    """``registry/name:tag`` or ``registry/name@sha256:...`` without its tag or digest."""
+    name = image.split("@", 1)[0]
+    head, _, tail = name.rpartition(":")
+    return head if head and "/" not in tail else name
+
+
+def image_allowed(image: str, prefixes: tuple[str, ...]) -> bool:
+    """A prefix ending in ``/`` allows everything under it; any other is one repository, with
+    any tag or digest (``ghcr.io/org/llmpool`` allows ``ghcr.io/org/llmpool:1`` but not
+    ``ghcr.io/org/llmpool-other``)."""
+    for prefix in prefixes:
+        if prefix.endswith("/"):
+            if image.startswith(prefix):
+                return True
+        elif image_repository(image) == prefix:
+            return True
+    return False
+
+
+def host_path_allowed(path: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``path`` (normalized, so ``..`` cannot climb out) lies under one of ``prefixes``."""
+    normalized = posixpath.normpath(path)
+    for prefix in prefixes:
+        root = posixpath.normpath(prefix)
+        if normalized == root or normalized.startswith(root.rstrip("/") + "/"):
+            return True
+    return False
+
+
+def refusal(spec: PoolSpec, policy: Policy) -> Refusal | None:
+    """Why the operator will not create this pool's pods, or None."""
+    own_image = spec.image is None or spec.image == policy.engine_image
+    if not own_image and not image_allowed(str(spec.image), policy.allowed_images):
+        allowed = ", ".join(policy.allowed_images) or "(none)"
+        message = (
+            f"spec.image {spec.image} is not allowed by the operator; allowed images: "
+            f"{allowed} (operator flag --allowed-image, chart value allowedImages)"
+        )
+        return Refusal(IMAGE_NOT_ALLOWED, message)
+    if spec.source.startswith("file://"):
+        path = spec.source.removeprefix("file://")
+        if not policy.allow_host_path_models:
+            message = (
+                f"spec.model.source {spec.source} would mount a node path, and the operator does "
+                "not allow hostPath models (flag --allow-host-path-models, chart value "
+                "allowHostPathModels)"
+            )
+            return Refusal(HOST_PATH_NOT_ALLOWED, message)
+        if not host_path_allowed(path, policy.allowed_host_path_prefixes):
+            allowed = ", ".join(policy.allowed_host_path_prefixes)
+            message = (
+                f"spec.model.source {spec.source} is not under an allowed host path prefix "
+                f"({allowed}; flag --allowed-host-path-prefix, chart value allowedHostPathPrefixes)"
+            )
+            return Refusal(HOST_PATH_NOT_ALLOWED, message)
+    return None

@@ -1,0 +1,142 @@
+"""The chart's gateway: Deployment, Service llmpool-gateway:8080, read-only RBAC, values, notes.
+
+Renders through test_chart.py's helpers (loaded from its file: tests/ is not a package).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmpool.operator import naming
+
+_spec = importlib.util.spec_from_file_location(
+    "llmpool_chart_helpers", Path(__file__).with_name("test_chart.py")
+)
+assert _spec is not None and _spec.loader is not None
+chart = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = chart
+_spec.loader.exec_module(chart)
+
+pytestmark = chart.pytestmark  # skipped, as the other chart tests, without a helm binary
+NAMESPACE, RELEASE = chart.NAMESPACE, chart.RELEASE
+GATEWAY = f"{RELEASE}-llmpool-gateway"
+READ = ["get", "list", "watch"]
+EXPECTED_RULES = [
+    {"apiGroups": [naming.GROUP], "resources": [naming.PLURAL], "verbs": READ},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": READ},
+]
+
+
+def gateway_objects(**values: Any) -> dict[str, list[dict[str, Any]]]:
+    """The gateway's rendered objects by kind."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for document in chart.render(**values):
+        if chart.is_gateway(document):
+            found.setdefault(document["kind"], []).append(document)
+    return found
+
+
+def test_the_service_is_llmpool_gateway_on_8080_selecting_the_gateway_pods() -> None:
+    objects = gateway_objects()
+    (service,) = objects["Service"]
+    (deployment,) = objects["Deployment"]
+    assert service["metadata"] == {**service["metadata"], "name": "llmpool-gateway"}
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}
+    ]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    # The operator's Deployment must not select gateway pods, nor the gateway operator pods.
+    operator = chart.one(chart.render(), "Deployment")
+    assert not operator["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    operator_pods = operator["spec"]["template"]["metadata"]["labels"]
+    assert not service["spec"]["selector"].items() <= operator_pods.items()
+
+
+def test_the_deployment_runs_llmpool_gateway_safely() -> None:
+    (deployment,) = gateway_objects()["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"] == ["gateway", "--port=8080"]
+    assert container["image"] == "ghcr.io/llmpool/llmpool:0.1.0"
+    assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001
+    context = container["securityContext"]
+    assert context["runAsUser"] == 10001 and context["readOnlyRootFilesystem"] is True
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"]["drop"] == ["ALL"]
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+    assert "emptyDir" in volumes[tmp["name"]]
+    (account,) = gateway_objects()["ServiceAccount"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"] == GATEWAY
+
+
+def test_replicas_and_resources_follow_the_values() -> None:
+    resources = {"requests": {"cpu": "1", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    (deployment,) = gateway_objects(
+        gateway={"enabled": True, "replicas": 3, "resources": resources}
+    )["Deployment"]
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["resources"] == resources
+
+
+def test_clusterwide_rbac_only_reads_pools_and_endpointslices() -> None:
+    objects = gateway_objects()
+    (role,) = objects["ClusterRole"]
+    assert role["rules"] == EXPECTED_RULES
+    (binding,) = objects["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": GATEWAY, "namespace": NAMESPACE}
+    ]
+    assert "Role" not in objects and "RoleBinding" not in objects
+
+
+def test_watched_namespaces_get_a_role_each_and_the_flags() -> None:
+    watched = ["team-a", "team-b"]
+    objects = gateway_objects(watchNamespaces=watched)
+    assert "ClusterRole" not in objects and "ClusterRoleBinding" not in objects
+    assert sorted(r["metadata"]["namespace"] for r in objects["Role"]) == watched
+    assert all(r["rules"] == EXPECTED_RULES for r in objects["Role"])
+    assert sorted(b["metadata"]["namespace"] for b in objects["RoleBinding"]) == watched
+    (deployment,) = objects["Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args == ["gateway", "--port=8080", "--namespace=team-a", "--namespace=team-b"]
+
+
+def test_disabled_renders_no_gateway_and_rbac_off_renders_no_rules() -> None:
+    assert gateway_objects(gateway={"enabled": False}) == {}
+    kinds = set(gateway_objects(rbac={"create": False}))
+    assert kinds == {"ServiceAccount", "Service", "Deployment"}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--set-json", 'gateway.replicas="two"'],
+        ["--set", "gateway.port=9000"],
+        ["--set-json", 'gateway.resources={"requests": {}, "cpu": 1}'],
+    ],
+)
+def test_the_schema_rejects_bad_gateway_values(bad: list[str]) -> None:
+    result = chart.helm("template", RELEASE, str(chart.CHART), *bad, check=False)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr, result.stderr
+
+
+def test_notes_show_the_one_base_url(tmp_path: Path) -> None:
+    notes = chart.render_notes(tmp_path)
+    assert f"http://llmpool-gateway.{NAMESPACE}.svc:8080/v1" in notes
+    assert "llmpool-gateway" not in chart.render_notes(
+        tmp_path / "off", "--set", "gateway.enabled=false"
+    )

@@ -1,0 +1,141 @@
+"""Gateway fixtures: EndpointSlice bodies, a gateway on a real port, two real `llmpool serve`s.
+
+The serving fixtures of tests/server are loaded from their file (tests/ is not a package under
+``--import-mode=importlib``), so both suites start servers the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmpool.gateway.app import Gateway, GatewaySettings, build_app
+from llmpool.gateway.pools import PoolTable
+from llmpool.operator import naming
+
+_spec = importlib.util.spec_from_file_location(
+    "llmpool_server_fixtures", Path(__file__).resolve().parents[1] / "server" / "conftest.py"
+)
+assert _spec is not None and _spec.loader is not None
+server_fixtures = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = server_fixtures  # its dataclasses look their module up there
+_spec.loader.exec_module(server_fixtures)
+
+GATEWAY_START_TIMEOUT_S = 30
+
+
+def endpoint_slice(
+    service: str,
+    name: str,
+    endpoints: list[tuple[str, str, bool | None]],
+    *,
+    namespace: str = "team-a",
+    port: int = naming.ENGINE_PORT,
+) -> dict[str, Any]:
+    """An EndpointSlice as the API server returns it; ``endpoints``: (pod, address, ready) each,
+    ready None leaving the condition unset."""
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "ports": [{"name": naming.ENGINE_PORT_NAME, "port": port, "protocol": "TCP"}],
+        "endpoints": [
+            {
+                "addresses": [address],
+                "conditions": {} if ready is None else {"ready": ready},
+                "targetRef": {"kind": "Pod", "name": pod, "namespace": namespace},
+            }
+            for pod, address, ready in endpoints
+        ],
+    }
+
+
+@pytest.fixture(scope="session")
+def make_slice() -> Callable[..., dict[str, Any]]:
+    return endpoint_slice
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A port nothing listens on: a replica that is down."""
+    return server_fixtures.free_port()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as ``{'name{label="v",...}': value}`` with labels sorted."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    gateway: Gateway
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
+    """Serves a table the test filled (marked synced) on 127.0.0.1; stopped after the test."""
+    started: list[RunningGateway] = []
+
+    def start(table: PoolTable, settings: GatewaySettings | None = None) -> RunningGateway:
+        table.synced = True
+        app = build_app(table, settings or GatewaySettings())
+        port = server_fixtures.free_port()
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.05)
+        running = RunningGateway(f"http://127.0.0.1:{port}", app.state.gateway, server, thread)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
+    """Two real engine servers of the built-in model, as two replicas of one pool."""
+    args = [
+        "--max-model-len", "1024", "--max-num-seqs", "16", "--kv-cache-memory", "64MiB",
+        "--no-access-log",
+    ]  # fmt: skip
+    folder = tmp_path_factory.mktemp("replicas")
+    servers = [server_fixtures.start_server(args, folder / f"replica-{i}.log") for i in range(2)]
+    yield servers
+    for server in servers:
+        if server.process.poll() is None:
+            server.terminate()

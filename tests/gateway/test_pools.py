@@ -1,0 +1,128 @@
+"""The routing table from LLMPool objects and EndpointSlices as the API server returns them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmpool.gateway.load import LoadTracker, parse_engine_gauges
+from llmpool.gateway.pools import PoolTable, Replica, pool_from_object
+from llmpool.operator import naming
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+DIGEST = "sha256:" + "c" * 64
+
+
+def example_pool(file: str, namespace: str = "team-a", **status: Any) -> dict[str, Any]:
+    documents = yaml.safe_load_all((EXAMPLES / file).read_text())
+    pool = next(d for d in documents if d["kind"] == naming.KIND)
+    pool["metadata"]["namespace"] = namespace
+    pool["status"] = status
+    return pool
+
+
+READY = {"conditions": [{"type": "Ready", "status": "True", "reason": "AllReplicasReady"}]}
+
+
+def test_a_pool_from_the_interactive_example() -> None:
+    obj = example_pool(
+        "smollm2-interactive.yaml",
+        pinnedDigest=DIGEST,
+        drift=[{"pod": "smollm2-chat-x", "field": "chatTemplateSha256"}],
+        **READY,
+    )
+    pool = pool_from_object(obj)
+    assert (pool.namespace, pool.name, pool.served_name) == ("team-a", "smollm2-chat", "smollm2")
+    assert (pool.priority_class, pool.ready, pool.pinned_digest) == ("interactive", True, DIGEST)
+    assert pool.drifted == {"smollm2-chat-x"}
+
+
+def test_a_new_pool_without_status_is_not_ready_and_has_no_pin_yet() -> None:
+    pool = pool_from_object(example_pool("smollm2-batch.yaml"))
+    assert (pool.priority_class, pool.ready, pool.pinned_digest) == ("batch", False, None)
+    assert pool.drifted == frozenset()
+
+
+def test_replicas_are_the_ready_endpoints_of_the_pools_service(make_slice) -> None:
+    table = PoolTable()
+    table.set_pool(pool_from_object(example_pool("smollm2-interactive.yaml", **READY)))
+    service = naming.service_name("smollm2-chat")
+    table.set_slice(
+        make_slice(
+            service,
+            "s1",
+            [("pod-a", "10.1.0.5", True), ("pod-b", "10.1.0.6", False), ("pod-c", "fd00::7", None)],
+        )
+    )
+    table.set_slice(make_slice("other-service", "s2", [("pod-z", "10.9.9.9", True)]))
+    table.set_slice(make_slice(service, "s3", [("pod-q", "10.1.0.8", True)], namespace="team-b"))
+    (pool,) = table.pools_serving("smollm2")
+    assert table.replicas(pool) == [
+        Replica("pod-a", "http://10.1.0.5:8000"),
+        Replica("pod-c", "http://[fd00::7]:8000"),
+    ]
+    table.delete_slice(("team-a", "s1"))
+    assert table.replicas(pool) == []
+
+
+def test_served_models_lists_ready_pools_once_and_relists_replace() -> None:
+    table = PoolTable()
+    interactive = pool_from_object(example_pool("smollm2-interactive.yaml", **READY))
+    batch = pool_from_object(example_pool("smollm2-batch.yaml"))
+    other = pool_from_object(example_pool("smollm2-interactive.yaml", "team-b", **READY))
+    table.reset_pools(None, [interactive, batch, other])
+    assert table.served_models() == ["smollm2"]  # batch is not Ready; team-b's is the same name
+    table.reset_pools("team-a", [batch])
+    assert [p.key for p in table.pools()] == [("team-a", "smollm2-batch"), other.key]
+    table.delete_pool(other.key)
+    assert table.served_models() == []
+
+
+ENGINE_METRICS = """\
+# HELP llmpool:num_requests_running Requests in the running batch.
+# TYPE llmpool:num_requests_running gauge
+llmpool:num_requests_running{model_name="smollm2"} 3.0
+# HELP llmpool:num_requests_waiting Requests waiting to be scheduled.
+# TYPE llmpool:num_requests_waiting gauge
+llmpool:num_requests_waiting{model_name="smollm2"} 2.0
+# HELP llmpool:kv_cache_usage_perc Fraction of KV-cache blocks in use (1.0 is full).
+# TYPE llmpool:kv_cache_usage_perc gauge
+llmpool:kv_cache_usage_perc{model_name="smollm2"} 0.5
+# HELP vllm:num_requests_running Requests in the running batch.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="smollm2"} 3.0
+"""
+
+
+def test_load_is_the_larger_of_scrape_and_local_in_flight() -> None:
+    gauges = parse_engine_gauges(ENGINE_METRICS)
+    assert gauges == {"running": 3.0, "waiting": 2.0, "kv_cache_usage": 0.5}
+    tracker = LoadTracker()
+    replica = Replica("pod-a", "http://10.1.0.5:8000")
+    tracker.record_scrape(replica, gauges)
+    assert tracker.get(replica).load == 5.0
+    for _ in range(7):  # a burst since the last scrape
+        tracker.begin(replica)
+    assert tracker.get(replica).load == 7.0
+    for _ in range(7):
+        tracker.end(replica)
+    assert tracker.get(replica).in_flight == 0
+
+
+def test_pool_load_sums_replicas_and_held_requests() -> None:
+    pool = pool_from_object(example_pool("smollm2-interactive.yaml", **READY))
+    a, b = Replica("a", "http://10.0.0.1:8000"), Replica("b", "http://10.0.0.2:8000")
+    tracker = LoadTracker()
+    tracker.record_scrape(a, {"running": 2.0, "waiting": 1.0})
+    tracker.begin(b)
+    with tracker.held(pool):
+        load = tracker.pool_load(pool, [a, b])
+    assert (load.pool, load.in_flight, load.held, load.demand) == ("team-a/smollm2-chat", 1, 1, 5.0)
+    assert tracker.pool_load(pool, [a, b]).held == 0
+    tracker.forget_except([a])
+    assert tracker.get(b).in_flight == 1  # still running: kept until it ends
+    tracker.end(b)
+    tracker.forget_except([a])
+    assert tracker.pool_load(pool, [a]).replicas.keys() == {a.url}

@@ -1,0 +1,186 @@
+"""Routing decisions: prefix affinity, bounded loads, drift exclusion and the choice of pool."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from llmpool.gateway import routing
+from llmpool.gateway.pools import Pool, Replica
+from llmpool.gateway.routing import Candidate, RoutingError
+
+DIGEST = "sha256:" + "a" * 64
+REPLICAS = [Replica(f"chat-{i}", f"http://10.0.0.{i}:8000") for i in range(4)]
+
+
+def pool(
+    name: str = "chat",
+    *,
+    priority_class: str = "interactive",
+    ready: bool = True,
+    drifted: frozenset[str] = frozenset(),
+    pinned_digest: str | None = DIGEST,
+) -> Pool:
+    return Pool("ns", name, "smollm2", priority_class, ready, pinned_digest, drifted)
+
+
+def idle(replicas: list[Replica] = REPLICAS, digest: str | None = DIGEST) -> list[Candidate]:
+    return [Candidate(r, 0.0, digest) for r in replicas]
+
+
+def key(text: str) -> bytes:
+    return routing.prefix_key(text)
+
+
+# --- prefix keys ------------------------------------------------------------------------------
+
+
+def test_the_key_depends_on_the_prefix_only() -> None:
+    system = "You are the support assistant of tenant 7. " * 40  # well past the prefix window
+    assert len(system) > routing.DEFAULT_PREFIX_CHARS
+    first = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "a"}]}
+    second = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "b"}]}
+    assert key(routing.prompt_text(first)) == key(routing.prompt_text(second))
+    other = {"messages": [{"role": "system", "content": "tenant 8" + system}]}
+    assert key(routing.prompt_text(other)) != key(routing.prompt_text(first))
+
+
+def test_prompt_text_of_completions_and_chat_parts() -> None:
+    assert routing.prompt_text({"prompt": "The capital of"}) == "The capital of"
+    assert routing.prompt_text({"prompt": ["first", "second"]}) == "first"
+    assert routing.prompt_text({"prompt": [1, 2, 3]}) == "[1, 2, 3]"
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert routing.prompt_text(parts) == "user: hi"
+
+
+# --- replica choice ---------------------------------------------------------------------------
+
+
+def test_affinity_is_stable_and_spreads_keys_over_replicas() -> None:
+    chosen = {}
+    for tenant in range(200):
+        decision = routing.choose_replica(key(f"tenant {tenant}"), idle())
+        assert decision.reason == routing.AFFINITY
+        assert routing.choose_replica(key(f"tenant {tenant}"), idle()) == decision
+        chosen[tenant] = decision.replica
+    shares = Counter(r.name for r in chosen.values())
+    assert set(shares) == {r.name for r in REPLICAS}
+    assert min(shares.values()) > 200 / len(REPLICAS) / 2  # no replica starved
+
+
+def test_a_replica_leaving_moves_only_its_own_keys() -> None:
+    """Rendezvous hashing: the keys of the replicas that stay keep their replica."""
+    remaining = REPLICAS[:3]
+    for tenant in range(200):
+        before = routing.choose_replica(key(f"tenant {tenant}"), idle()).replica
+        after = routing.choose_replica(key(f"tenant {tenant}"), idle(remaining)).replica
+        if before in remaining:
+            assert after == before
+
+
+def test_a_saturated_preferred_replica_spills_to_the_least_loaded() -> None:
+    k = key("one hot tenant")
+    preferred = routing.choose_replica(k, idle()).replica
+    loads = {r.name: 1.0 for r in REPLICAS}
+    loads[preferred.name] = 10.0
+    loads["chat-3" if preferred.name != "chat-3" else "chat-2"] = 0.0
+    candidates = [Candidate(r, loads[r.name], DIGEST) for r in REPLICAS]
+    decision = routing.choose_replica(k, candidates)
+    assert decision.reason == routing.SPILL
+    assert loads[decision.replica.name] == 0.0
+
+
+def test_bounded_loads_keep_one_hot_prefix_within_the_bound() -> None:
+    """Every request of one prefix, none finishing: no replica exceeds ceil(1.25 * mean)."""
+    k = key("the same system prompt for everyone")
+    loads = dict.fromkeys(REPLICAS, 0.0)
+    rng = random.Random(0)
+    for sent in range(1, 101):
+        candidates = [Candidate(r, load, DIGEST) for r, load in loads.items()]
+        decision = routing.choose_replica(k, candidates, rng=rng)
+        loads[decision.replica] += 1
+        assert max(loads.values()) <= -(-1.25 * sent // len(REPLICAS)) + 1
+    # The preferred replica stays the busiest (its cache is warm), filled to the bound.
+    preferred = routing.choose_replica(k, idle()).replica
+    assert loads[preferred] == max(loads.values()) == 32  # ceil(1.25 * 100 / 4)
+
+
+def test_ties_are_broken_at_random() -> None:
+    k = key("hot")
+    preferred = routing.choose_replica(k, idle()).replica
+    candidates = [Candidate(r, 5.0 if r == preferred else 0.0, DIGEST) for r in REPLICAS]
+    picks = {
+        routing.choose_replica(k, candidates, rng=random.Random(seed)).replica for seed in range(40)
+    }
+    assert picks == set(REPLICAS) - {preferred}
+
+
+# --- drift ------------------------------------------------------------------------------------
+
+
+def test_replicas_in_status_drift_get_no_traffic() -> None:
+    drifted = pool(drifted=frozenset({"chat-0", "chat-2"}))
+    healthy = routing.routable(drifted, idle())
+    assert [c.replica.name for c in healthy] == ["chat-1", "chat-3"]
+
+
+def test_a_replica_whose_fingerprint_digest_differs_gets_no_traffic() -> None:
+    candidates = idle()
+    candidates[1] = Candidate(REPLICAS[1], 0.0, "sha256:" + "b" * 64)
+    candidates[2] = Candidate(REPLICAS[2], 0.0, None)  # not scraped yet: no evidence of drift
+    healthy = routing.routable(pool(), candidates)
+    assert [c.replica.name for c in healthy] == ["chat-0", "chat-2", "chat-3"]
+
+
+def test_all_replicas_drifted_is_a_503_and_no_replica_is_another() -> None:
+    everyone = pool(drifted=frozenset(r.name for r in REPLICAS))
+    with pytest.raises(RoutingError) as drifted:
+        routing.routable(everyone, idle())
+    assert (drifted.value.status, drifted.value.code) == (503, routing.REPLICAS_DRIFTED)
+    with pytest.raises(RoutingError) as empty:
+        routing.routable(pool(), [])
+    assert (empty.value.status, empty.value.code) == (503, routing.NO_READY_REPLICA)
+
+
+# --- pools and priority -----------------------------------------------------------------------
+
+
+def test_priority_picks_the_pool_of_its_class_and_defaults_to_interactive() -> None:
+    chat, batch = pool("chat"), pool("batch", priority_class="batch")
+    assert routing.choose_pool([batch, chat], None) == chat
+    assert routing.choose_pool([batch, chat], "batch") == batch
+    assert routing.choose_pool([batch, chat], "interactive") == chat
+    # A class nobody serves: the model is still served, by the pool there is.
+    assert routing.choose_pool([batch], "interactive") == batch
+
+
+def test_ready_pools_come_first_within_a_class() -> None:
+    rolling, ready = pool("a-rolling", ready=False), pool("b-ready")
+    assert routing.choose_pool([rolling, ready], None) == ready
+
+
+@pytest.mark.parametrize(
+    ("body", "header", "expected"),
+    [
+        (None, None, None),
+        ("batch", None, "batch"),
+        (None, "batch", "batch"),
+        ("interactive", "batch", "interactive"),  # the body wins
+        (0, None, "interactive"),
+        (1, None, "batch"),
+        (7, None, "batch"),
+        (-3, None, "interactive"),
+        (None, "1", "batch"),
+    ],
+)
+def test_requested_class(body: object, header: str | None, expected: str | None) -> None:
+    assert routing.requested_class(body, header) == expected
+
+
+def test_an_unknown_priority_is_a_400() -> None:
+    with pytest.raises(RoutingError) as error:
+        routing.requested_class("urgent", None)
+    assert error.value.status == 400
+    assert "interactive, batch" in str(error.value)

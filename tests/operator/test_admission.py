@@ -1,0 +1,104 @@
+"""What pools may ask for: engine images and host paths the operator's administrator allows."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmpool.operator.admission import (
+    HOST_PATH_NOT_ALLOWED,
+    IMAGE_NOT_ALLOWED,
+    Policy,
+    host_path_allowed,
+    image_allowed,
+    image_repository,
+    refusal,
+)
+from llmpool.operator.spec import PoolSpec
+
+CHART_IMAGE = "ghcr.io/llmpool/llmpool:0.1.0"
+
+
+@pytest.mark.parametrize(
+    ("image", "repository"),
+    [
+        ("ghcr.io/llmpool/llmpool:0.1.0", "ghcr.io/llmpool/llmpool"),
+        ("ghcr.io/llmpool/llmpool@sha256:" + "a" * 64, "ghcr.io/llmpool/llmpool"),
+        ("registry:5000/llmpool", "registry:5000/llmpool"),
+        ("registry:5000/llmpool:dev", "registry:5000/llmpool"),
+        ("llmpool:latest", "llmpool"),
+        ("llmpool", "llmpool"),
+    ],
+)
+def test_image_repository(image, repository):
+    assert image_repository(image) == repository
+
+
+@pytest.mark.parametrize(
+    ("image", "allowed"),
+    [
+        ("ghcr.io/llmpool/llmpool:0.2.0", True),
+        ("ghcr.io/llmpool/llmpool@sha256:" + "b" * 64, True),
+        ("ghcr.io/llmpool/llmpool", True),
+        ("ghcr.io/llmpool/llmpool-miner:1", False),
+        ("ghcr.io/llmpool/llmpool/evil:1", False),
+        ("evil.example/llmpool:1", False),
+        ("registry.internal/team/anything:2", True),
+        ("registry.internal/teamx:2", False),
+    ],
+)
+def test_image_prefixes(image, allowed):
+    prefixes = ("ghcr.io/llmpool/llmpool", "registry.internal/team/")
+    assert image_allowed(image, prefixes) is allowed
+
+
+@pytest.mark.parametrize(
+    ("path", "allowed"),
+    [
+        ("/models/llama", True),
+        ("/models", True),
+        ("/models/../etc/shadow", False),
+        ("/modelsx/llama", False),
+        ("/etc", False),
+    ],
+)
+def test_host_path_prefixes(path, allowed):
+    assert host_path_allowed(path, ("/models/",)) is allowed
+
+
+def spec_with(chat_spec, **changes) -> PoolSpec:
+    return PoolSpec.from_dict({**chat_spec, **changes})
+
+
+FILE_MODEL = {"source": "file:///models/llama", "revision": "sha256:" + "1" * 64}
+
+
+def test_the_default_policy_allows_the_operators_own_image_and_nothing_on_the_node(chat_spec):
+    policy = Policy.default(CHART_IMAGE)
+    assert refusal(spec_with(chat_spec), policy) is None
+    assert refusal(spec_with(chat_spec, image="ghcr.io/llmpool/llmpool:0.3.0"), policy) is None
+    found = refusal(spec_with(chat_spec, image="docker.io/library/python:3"), policy)
+    assert found is not None and found.reason == IMAGE_NOT_ALLOWED
+    assert "docker.io/library/python:3" in found.message
+    assert "ghcr.io/llmpool/llmpool" in found.message
+    found = refusal(spec_with(chat_spec, model=FILE_MODEL), policy)
+    assert found is not None and found.reason == HOST_PATH_NOT_ALLOWED
+    assert "file:///models/llama" in found.message
+
+
+def test_the_operators_engine_image_is_always_allowed(chat_spec):
+    policy = Policy(engine_image="llmpool:latest", allowed_images=("ghcr.io/llmpool/llmpool",))
+    assert refusal(spec_with(chat_spec, image="llmpool:latest"), policy) is None
+
+
+def test_host_path_models_only_under_the_allowed_prefixes(chat_spec):
+    policy = Policy(
+        engine_image=CHART_IMAGE,
+        allowed_images=("ghcr.io/llmpool/llmpool",),
+        allow_host_path_models=True,
+        allowed_host_path_prefixes=("/models",),
+    )
+    assert refusal(spec_with(chat_spec, model=FILE_MODEL), policy) is None
+    elsewhere = {"source": "file:///var/lib/kubelet/x", "revision": "sha256:" + "1" * 64}
+    found = refusal(spec_with(chat_spec, model=elsewhere), policy)
+    assert found is not None and found.reason == HOST_PATH_NOT_ALLOWED
+    assert "/models" in found.message

@@ -1,0 +1,245 @@
+"""The one reconcile path: serialized per pool, decided from the live pool, level-triggered.
+
+The API calls of `llmpool.operator.kube` are replaced by an in-memory pool (the only way to
+interleave the update handler and the timer deterministically); kopf's own Event machinery is
+real, its queue read back here. The e2e suite runs the same paths against a real API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+from typing import Any
+
+import kopf
+import pytest
+from kopf._core.engines import posting
+from kubernetes.client import ApiException
+
+from llmpool.operator import admission, handlers, kube
+from llmpool.operator.children import ChildView, child_view
+
+NAMESPACE = "team"
+UID = "uid-pool"
+
+
+def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """RFC 7386, as the API server applies a status merge patch."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge_patch(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+class FakeApi:
+    """The live pool and every write the operator makes, in order."""
+
+    def __init__(self, pool: dict[str, Any], template: str) -> None:
+        self.pool = pool
+        self.template = template
+        self.writes: list[tuple[str, Any]] = []
+        self.hold_deployment: asyncio.Event | None = None  # set: the next Deployment apply waits
+        self.held = asyncio.Event()
+        self.reject: dict[str, str] = {}  # kind -> the API server's message
+
+    async def read_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.pool)
+
+    async def apply(self, obj: dict[str, Any]) -> None:
+        if obj["kind"] in self.reject:
+            error = ApiException(status=422, reason="Unprocessable Entity")
+            error.body = json.dumps({"kind": "Status", "message": self.reject[obj["kind"]]})
+            raise error
+        if obj["kind"] == "Deployment" and self.hold_deployment is not None:
+            gate, self.hold_deployment = self.hold_deployment, None
+            self.held.set()
+            await gate.wait()
+        self.writes.append((obj["kind"], copy.deepcopy(obj)))
+
+    async def patch_pool_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        status = self.pool.setdefault("status", {})
+        merge_patch(status, patch)
+        self.writes.append(("status", copy.deepcopy(status)))
+
+    async def read_configmap_key(self, namespace: str, name: str, key: str) -> str | None:
+        return self.template
+
+    def deployments(self) -> list[dict[str, Any]]:
+        return [obj for kind, obj in self.writes if kind == "Deployment"]
+
+    def statuses(self) -> list[dict[str, Any]]:
+        return [obj for kind, obj in self.writes if kind == "status"]
+
+    def children(self) -> dict[str, Any]:
+        """The latest write of each child, as the indexes would show it."""
+        latest = {}
+        for kind, obj in self.writes:
+            if kind != "status":
+                latest[f"{kind}/{obj['metadata']['name']}"] = child_view(obj)
+        return latest
+
+
+@pytest.fixture
+def api(chat_pool, chat_template, monkeypatch) -> FakeApi:
+    pool = copy.deepcopy(chat_pool)
+    pool["metadata"].update(namespace=NAMESPACE, uid=UID, generation=1)
+    fake = FakeApi(pool, chat_template)
+    for name in ("read_pool", "apply", "patch_pool_status", "read_configmap_key"):
+        monkeypatch.setattr(kube, name, getattr(fake, name))
+    return fake
+
+
+def capture_events() -> asyncio.Queue[Any]:
+    """Route kopf's real posting path into a queue (context variables: this test's task only)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    settings = kopf.OperatorSettings()
+    settings.posting.level = logging.WARNING
+    posting.settings_var.set(settings)
+    posting.event_queue_var.set(queue)
+    posting.event_queue_loop_var.set(asyncio.get_running_loop())
+    return queue
+
+
+def reasons(queue: asyncio.Queue[Any]) -> list[str]:
+    found = []
+    while not queue.empty():
+        found.append(queue.get_nowait().reason)
+    return found
+
+
+def max_model_len(deployment: dict[str, Any]) -> str:
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    return str(args[args.index("--max-model-len") + 1])
+
+
+async def converge(api: FakeApi, memo: kopf.Memo, observed: bool = True) -> None:
+    """One pass of the handler or the timer (they call the same function)."""
+    children = api.children() if observed else {}
+    await handlers.converge(
+        namespace=NAMESPACE,
+        name=api.pool["metadata"]["name"],
+        uid=UID,
+        memo=memo,
+        observed=handlers.Observed(pods=[], deployment=None, children=children),
+    )
+
+
+def update_spec(api: FakeApi, **changes: Any) -> None:
+    api.pool["spec"].update(changes)
+    api.pool["metadata"]["generation"] += 1
+
+
+async def test_a_timer_pass_never_writes_an_older_spec_after_an_update(api):
+    events = capture_events()
+    memo = kopf.Memo()
+    # The timer's pass starts on generation 1 and stops inside its Deployment apply ...
+    api.hold_deployment = asyncio.Event()
+    gate = api.hold_deployment
+    timer = asyncio.create_task(converge(api, memo))
+    await api.held.wait()
+    # ... while the user changes the spec and the update handler's pass starts.
+    update_spec(api, maxModelLen=4096)
+    handler = asyncio.create_task(converge(api, memo))
+    await asyncio.sleep(0)
+    gate.set()
+    await asyncio.gather(timer, handler)
+
+    assert [max_model_len(d) for d in api.deployments()] == ["2048", "4096"]
+    generations = [s["observedGeneration"] for s in api.statuses()]
+    assert generations == sorted(generations) and generations[-1] == 2
+    assert api.pool["status"]["pinned"]["maxModelLen"] == 4096
+    assert "RolloutStarted" in reasons(events)
+
+    # A timer whose kopf body is still generation 1 decides from the live pool: nothing to do.
+    written = len(api.deployments())
+    await converge(api, memo)
+    assert len(api.deployments()) == written
+    assert api.pool["status"]["observedGeneration"] == 2
+
+
+async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkeypatch):
+    events = capture_events()
+    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    memo = kopf.Memo()
+    await converge(api, memo)
+    assert {kind for kind, _ in api.writes} == {"ConfigMap", "Service", "Deployment", "status"}
+    reasons(events)
+
+    quiet = len(api.writes)
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes[quiet:] if kind != "status"] == []  # nothing differs
+    quiet = len(api.writes)
+
+    live = api.children()
+    del live["Service/smollm2-chat"]
+    edited = copy.deepcopy(dict(live["Deployment/smollm2-chat"].body))
+    edited["spec"]["template"]["spec"]["containers"][0]["args"][0] = "builtin://other"
+    # Fields the API server or someone else adds do not count as a difference.
+    edited["spec"]["progressDeadlineSeconds"] = 600
+    edited["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = "1"
+    live["Deployment/smollm2-chat"] = ChildView("Deployment", "smollm2-chat", edited)
+    await handlers.converge(
+        namespace=NAMESPACE,
+        name="smollm2-chat",
+        uid=UID,
+        memo=memo,
+        observed=handlers.Observed(pods=[], deployment=None, children=live),
+    )
+    assert [kind for kind, _ in api.writes[quiet:]] == ["Service", "Deployment"]
+    assert sorted(reasons(events)) == ["DeploymentRestored", "ServiceRestored"]
+
+
+async def test_a_rejected_child_leaves_a_condition_naming_the_problem(api):
+    events = capture_events()
+    api.reject["Deployment"] = (
+        'spec.template.spec.containers[0].resources.requests: Invalid value: "2": '
+        "must be less than or equal to cpu limit of 1"
+    )
+    memo = kopf.Memo()
+    await converge(api, memo)
+    status = api.pool["status"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ApplyRejected")
+    assert (ready["status"], ready["reason"]) == ("False", "ApplyRejected")
+    assert "Deployment smollm2-chat" in degraded["message"]
+    assert "must be less than or equal to cpu limit" in degraded["message"]
+    assert "pinnedDigest" not in status  # not reconciled
+    assert reasons(events) == ["ApplyRejected"]
+
+    # The same spec is not sent again every pass; a new spec is.
+    writes = len(api.writes)
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes[writes:]] == []
+    del api.reject["Deployment"]
+    update_spec(api, resources={})
+    await converge(api, memo)
+    assert api.pool["status"]["observedGeneration"] == 2
+    degraded = next(c for c in api.pool["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] != "ApplyRejected"
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"image": "evil.example/miner:1"}, "ImageNotAllowed"),
+        (
+            {"model": {"source": "file:///etc/secrets", "revision": "sha256:" + "1" * 64}},
+            "HostPathNotAllowed",
+        ),
+    ],
+)
+async def test_a_refused_pool_gets_a_condition_and_no_children(api, change, reason):
+    events = capture_events()
+    api.pool["spec"].update(change)
+    memo = kopf.Memo(policy=admission.Policy.default("ghcr.io/llmpool/llmpool:1.0"))
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes] == ["status"]
+    ready = next(c for c in api.pool["status"]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", reason)
+    assert reasons(events) == [reason]
