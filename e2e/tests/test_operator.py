@@ -516,7 +516,12 @@ def test_peered_replicas_do_not_fight(
             lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"),
             60,
         )
-        assert "Handler 'reconcile' succeeded" in high.log()
+        # The status is patched inside the handler, so its success line may follow the digest.
+        wait_for(
+            "the higher replica's handler to finish",
+            lambda: "Handler 'reconcile' succeeded" in high.log(),
+            30,
+        )
         assert "Handler 'reconcile' succeeded" not in low.log()
 
         high.stop()
