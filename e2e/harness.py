@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,3 +111,99 @@ def container_status(pod: dict[str, Any]) -> dict[str, Any]:
     """The status of the pod's first container ({} before the kubelet reported any)."""
     statuses = pod.get("status", {}).get("containerStatuses", [])
     return statuses[0] if statuses else {}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class OperatorProcess:
+    """`llmpool operator` as a local process, with its log kept for failures."""
+
+    def __init__(self, cluster: ClusterHandle, log_path: Path, *extra: str) -> None:
+        self.cluster = cluster
+        self.extra = extra
+        self.log_path = log_path
+        self.metrics_port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "llmpool.cli", "operator", *self.extra]
+        argv += ["--metrics-port", str(self.metrics_port), "--liveness-port", str(free_port())]
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(argv, env=self.cluster.env, stdout=log, stderr=log)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=30)
+        self.process = None
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class GatewayProcess:
+    """`llmpool gateway` as a local process for one namespace, reaching pods by pod IP."""
+
+    def __init__(
+        self, cluster: ClusterHandle, namespace: str, log_path: Path, hold_timeout: float = 0
+    ) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        argv = [sys.executable, "-m", "llmpool.cli", "gateway", "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--namespace", namespace]
+        argv += ["--hold-timeout", str(hold_timeout)]
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(argv, env=cluster.env, stdout=log, stderr=log)
+        wait_for("the gateway to be ready", lambda: self.get("/ready")[0] == 200, 120, 0.5)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+        except OSError as error:
+            assert self.process.poll() is None, self.log_path.read_text()[-3000:]
+            return 0, str(error)
+
+    def complete(
+        self, prompt: str, model: str, max_tokens: int = 2, timeout: float = 120
+    ) -> tuple[int, dict[str, Any]]:
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions",
+            data=json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    def sent_to(self) -> dict[str, float]:
+        """Requests the gateway sent, by replica (pod name)."""
+        totals: dict[str, float] = {}
+        for line in self.get("/metrics")[1].splitlines():
+            if line.startswith("llmpool_gateway:requests_total{"):
+                labels, value = line.rsplit(" ", 1)
+                replica = labels.split('replica="', 1)[1].split('"', 1)[0]
+                totals[replica] = totals.get(replica, 0.0) + float(value)
+        return totals
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=30)

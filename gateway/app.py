@@ -19,6 +19,7 @@ from starlette.routing import Route
 from llmpool.engine.server.http import error_response, openai_endpoint, read_body
 from llmpool.engine.server.protocol import APIError, bad_request, parse_json_body
 from llmpool.gateway import routing
+from llmpool.gateway.demand import DemandReporter, DemandWriter
 from llmpool.gateway.load import LoadTracker, scrape_forever
 from llmpool.gateway.metrics import GatewayMetrics
 from llmpool.gateway.pools import Pool, PoolTable, Replica
@@ -35,6 +36,7 @@ class GatewaySettings:
     prefix_chars: int = routing.DEFAULT_PREFIX_CHARS
     load_factor: float = routing.DEFAULT_LOAD_FACTOR
     hold_timeout: float = 30.0  # how long a request waits for a pool without ready replicas
+    max_held: int = 256  # requests held per pool at most; more are a 503 at once
     connect_timeout: float = 2.0
     scrape_interval: float = 1.0
     scrape_timeout: float = 2.0
@@ -55,12 +57,14 @@ class Gateway:
         table: PoolTable,
         settings: GatewaySettings,
         background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+        demand_writer: DemandWriter | None = None,
     ) -> None:
         self.table = table
         self.settings = settings
         self.tracker = LoadTracker()
         self.metrics = GatewayMetrics()
-        self.background = background
+        self.demand = DemandReporter(table, self.tracker, demand_writer) if demand_writer else None
+        self.background = [*background, *([self.demand.run] if self.demand else [])]
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=settings.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
@@ -204,6 +208,11 @@ class Gateway:
                 remaining = deadline - time.monotonic()
                 if error.code != routing.NO_READY_REPLICA or remaining <= 0:
                     raise _unavailable(str(error), error.code) from None
+                if self.tracker.held_count(pool) >= self.settings.max_held:
+                    raise _unavailable(
+                        f"{self.settings.max_held} requests already wait for a replica of"
+                        f" {pool.label}", "hold_queue_full",
+                    ) from None  # fmt: skip
                 await self._hold(pool, remaining)
                 continue
             decision = routing.choose_replica(key, healthy, load_factor=self.settings.load_factor)
@@ -216,6 +225,8 @@ class Gateway:
         gauge.inc()
         try:
             with self.tracker.held(pool), contextlib.suppress(TimeoutError):
+                if self.demand is not None:
+                    self.demand.poke()
                 await asyncio.wait_for(self.table.wait_for_change(), timeout)
         finally:
             gauge.dec()
@@ -285,9 +296,11 @@ def build_app(
     table: PoolTable,
     settings: GatewaySettings,
     background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+    demand_writer: DemandWriter | None = None,
 ) -> Starlette:
-    """``background``: coroutines that run for the app's life (the Kubernetes watches)."""
-    gateway = Gateway(table, settings, background)
+    """``background``: coroutines that run for the app's life (the Kubernetes watches);
+    ``demand_writer``: where held requests are recorded for the autoscaler (none: nowhere)."""
+    gateway = Gateway(table, settings, background, demand_writer)
     app = Starlette(routes=gateway.routes(), lifespan=gateway.lifespan)
     app.state.gateway = gateway
     return app

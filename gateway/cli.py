@@ -10,6 +10,7 @@ import uvicorn
 
 from llmpool.gateway import routing
 from llmpool.gateway.app import GatewaySettings, build_app
+from llmpool.gateway.demand import annotate
 from llmpool.gateway.pools import PoolTable
 from llmpool.gateway.watch import TableWatcher, resources
 from llmpool.operator.kube import load_credentials
@@ -56,6 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request waits for a pool without ready replicas before a 503",
     )
     parser.add_argument(
+        "--max-held",
+        type=int,
+        default=GatewaySettings.max_held,
+        help="requests held per pool at most while it has no ready replica; beyond, a 503",
+    )
+    parser.add_argument(
+        "--no-demand-annotation",
+        dest="demand_annotation",
+        action="store_false",
+        help="do not record held requests on the LLMPool (annotation llmpool.dev/demand) for"
+        " the operator's autoscaler; needs no patch permission on llmpools",
+    )
+    parser.add_argument(
         "--scrape-interval",
         type=float,
         default=GatewaySettings.scrape_interval,
@@ -70,13 +84,14 @@ def settings_from(args: argparse.Namespace) -> GatewaySettings:
         raise ValueError(f"--prefix-chars must be at least 1, got {args.prefix_chars}")
     if args.load_factor < 1:
         raise ValueError(f"--load-factor must be at least 1.0, got {args.load_factor}")
-    if args.hold_timeout < 0 or args.scrape_interval <= 0:
-        raise ValueError("--hold-timeout must be >= 0 and --scrape-interval > 0")
+    if args.hold_timeout < 0 or args.scrape_interval <= 0 or args.max_held < 0:
+        raise ValueError("--hold-timeout and --max-held must be >= 0 and --scrape-interval > 0")
     return GatewaySettings(
         api_key=args.api_key,
         prefix_chars=args.prefix_chars,
         load_factor=args.load_factor,
         hold_timeout=args.hold_timeout,
+        max_held=args.max_held,
         scrape_interval=args.scrape_interval,
     )
 
@@ -95,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     load_credentials()
     table = PoolTable()
     watcher = TableWatcher(table, resources(args.namespace))
-    app = build_app(table, settings, background=[watcher.run])
+    app = build_app(
+        table,
+        settings,
+        background=[watcher.run],
+        demand_writer=annotate if args.demand_annotation else None,
+    )
     # No access log: request lines are fine, but this gateway never logs anything of a body.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -1,9 +1,12 @@
 """How loaded each replica and pool is: engine gauges scraped on a period plus requests counted here.
 
+The signal itself (which gauges, what a replica's load is) is defined in ``llmpool.load``, shared
+with the operator's autoscaler.
+
 The scrape sees every gateway replica's traffic but is up to one period old; the local in-flight
 count is exact for this gateway at routing time, so a burst never piles onto the replica that
-looked idle at the last scrape. A replica's load is the larger of the two. The autoscaler reads
-the same numbers per pool through ``LoadTracker.pool_load``.
+looked idle at the last scrape. A replica's load is the larger of the two. What the gateway
+holds for a pool goes to the operator's autoscaler through ``llmpool.gateway.demand``.
 """
 
 from __future__ import annotations
@@ -17,18 +20,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from llmpool.gateway.pools import Pool, PoolKey, PoolTable, Replica
+from llmpool.load import parse_engine_gauges, replica_load
 
 logger = logging.getLogger(__name__)
-
-# The engine's gauges (engine/server/metrics.py) and the ReplicaLoad field each one fills.
-ENGINE_GAUGES = {
-    "llmpool:num_requests_running": "running",
-    "llmpool:num_requests_waiting": "waiting",
-    "llmpool:kv_cache_usage_perc": "kv_cache_usage",
-}
 
 
 @dataclass(frozen=True)
@@ -42,36 +38,7 @@ class ReplicaLoad:
     @property
     def load(self) -> float:
         """Requests on the replica: the scrape counts ours too, so the larger of the two."""
-        return max(float(self.in_flight), self.running + self.waiting)
-
-
-@dataclass(frozen=True)
-class PoolLoad:
-    """One pool's load as the gateway sees it: what an autoscaler needs to size the pool."""
-
-    pool: str  # namespace/name
-    replicas: dict[str, ReplicaLoad]  # by replica URL
-    held: int  # requests waiting in the gateway for a replica of this pool
-
-    @property
-    def in_flight(self) -> int:
-        return sum(r.in_flight for r in self.replicas.values())
-
-    @property
-    def demand(self) -> float:
-        """Requests the pool has to serve now: on its replicas plus held for it."""
-        return sum(r.load for r in self.replicas.values()) + self.held
-
-
-def parse_engine_gauges(text: str) -> dict[str, float]:
-    """The load gauges from an engine's ``/metrics`` text, summed over label sets."""
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            field = ENGINE_GAUGES.get(sample.name)
-            if field is not None:
-                values[field] = values.get(field, 0.0) + sample.value
-    return values
+        return max(float(self.in_flight), replica_load(self.running, self.waiting))
 
 
 class LoadTracker:
@@ -121,13 +88,6 @@ class LoadTracker:
         self._replicas = {
             url: load for url, load in self._replicas.items() if url in keep or load.in_flight > 0
         }
-
-    def pool_load(self, pool: Pool, replicas: Sequence[Replica]) -> PoolLoad:
-        return PoolLoad(
-            pool=pool.label,
-            replicas={r.url: self.get(r) for r in replicas},
-            held=self.held_count(pool),
-        )
 
 
 async def scrape_replica(client: httpx.AsyncClient, tracker: LoadTracker, replica: Replica) -> None:

@@ -32,6 +32,7 @@ class Pool:
     ready: bool  # the Ready condition; a pool that is not Ready may still have ready replicas
     pinned_digest: str | None
     drifted: frozenset[str]  # pods listed in status.drift
+    scales_from_zero: bool = False  # autoscaling.minReplicas 0: a held request brings a replica
 
     @property
     def key(self) -> PoolKey:
@@ -54,6 +55,7 @@ def pool_from_object(obj: Mapping[str, Any]) -> Pool:
         served_name=spec.served_name,
         priority_class=spec.priority_class,
         ready=ready is not None and ready.get("status") == "True",
+        scales_from_zero=spec.autoscaling is not None and spec.autoscaling.min_replicas == 0,
         pinned_digest=status.get("pinnedDigest"),
         drifted=frozenset(entry["pod"] for entry in status.get("drift") or [] if "pod" in entry),
     )
@@ -154,8 +156,10 @@ class PoolTable:
         return [p for p in self.pools() if p.served_name == model]
 
     def served_models(self) -> list[str]:
-        """Served names of the Ready pools, each once."""
-        return sorted({p.served_name for p in self._pools.values() if p.ready})
+        """Served names of the pools that are Ready or come up on demand, each once."""
+        return sorted(
+            {p.served_name for p in self._pools.values() if p.ready or p.scales_from_zero}
+        )
 
     def replicas(self, pool: Pool) -> list[Replica]:
         """Ready replicas behind the pool's Service, each once, in a stable order."""

@@ -24,9 +24,9 @@ class FingerprintReport:
     unreachable: dict[str, str] = field(default_factory=dict)  # pod -> why
 
 
-def fingerprint_url(ip: str) -> str:
+def engine_url(ip: str, path: str) -> str:
     host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{naming.ENGINE_PORT}/fingerprint"
+    return f"http://{host}:{naming.ENGINE_PORT}{path}"
 
 
 def checkable(pods: Sequence[PodView]) -> list[PodView]:
@@ -45,7 +45,7 @@ async def fetch_fingerprints(
 
         async def fetch(pod: PodView) -> Fingerprint:
             assert pod.ip is not None
-            response = await client.get(fingerprint_url(pod.ip))
+            response = await client.get(engine_url(pod.ip, "/fingerprint"))
             response.raise_for_status()
             body = response.json()
             if not isinstance(body, dict):

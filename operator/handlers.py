@@ -29,6 +29,7 @@ from kubernetes.client import ApiException
 from llmpool import pinning
 from llmpool.operator import (
     admission,
+    autoscaling,
     children,
     conditions,
     drift,
@@ -39,6 +40,7 @@ from llmpool.operator import (
     render,
 )
 from llmpool.operator import status as pool_status
+from llmpool.operator.pool_load import pool_demand, replica_loads
 from llmpool.operator.sizing import size_pool
 from llmpool.operator.spec import PoolSpec
 from llmpool.operator.views import (
@@ -256,9 +258,17 @@ class Applied:
 
 
 async def _apply_children(
-    body: kopf.Body, pool: PoolSpec, memo: kopf.Memo, observed: Observed, fresh: bool
+    body: kopf.Body,
+    pool: PoolSpec,
+    memo: kopf.Memo,
+    observed: Observed,
+    *,
+    fresh: bool,
+    replicas: int,
+    rescaled: bool,
 ) -> Applied:
-    """Apply every child when the spec or template changed, else those that drifted."""
+    """Apply every child when the spec or template changed, else those that drifted, and the
+    Deployment when the autoscaler ``rescaled`` it to ``replicas``."""
     metadata, spec, status = body["metadata"], body["spec"], body.get("status") or {}
     name, namespace = metadata["name"], metadata["namespace"]
     generation = metadata.get("generation", 0)
@@ -268,7 +278,7 @@ async def _apply_children(
     rendered = [
         render.render_configmap(name, pinned, chat_template),
         render.render_service(name),
-        render.render_deployment(name, pool, digest, _policy(memo).engine_image),
+        render.render_deployment(name, pool, digest, _policy(memo).engine_image, replicas),
     ]
     kopf.adopt(rendered, owner=body)
     reconcile = generation > status.get("observedGeneration", 0) or digest != status.get(
@@ -280,6 +290,8 @@ async def _apply_children(
     due: list[tuple[dict[str, Any], str]] = []
     if reconcile:
         due = [(child, "") for child in rendered]
+    elif rescaled:
+        due = [(rendered[-1], "")]  # the Deployment; the autoscaler's own Event says why
     elif _restore_due(memo):
         for child in rendered:
             key = f"{child['kind']}/{child['metadata']['name']}"
@@ -333,6 +345,42 @@ async def _check_drift(
     return entries, len(report.fingerprints)
 
 
+async def _autoscale(
+    body: kopf.Body, pool: PoolSpec, pods: list[PodView], observed: Observed, reconciled: bool
+) -> autoscaling.Decision:
+    """This pass's decision from the pool's load and the state kept in its status."""
+    assert pool.autoscaling is not None
+    status = body.get("status") or {}
+    kept = status.get("autoscaling")
+    try:
+        state = autoscaling.ScalerState.from_status(kept) if kept else None
+    except (KeyError, TypeError, ValueError) as error:
+        logger.warning(
+            "%s: unreadable status.autoscaling, starting over: %r", body.meta.name, error
+        )
+        state = None
+    if state is None:
+        current = observed.deployment.replicas if observed.deployment else None
+        state = autoscaling.ScalerState.initial(pool.autoscaling, current)
+    now = int(time.time())
+    load = pool_demand(await replica_loads(pods), body["metadata"].get("annotations"), now)
+    digest = status.get("pinnedDigest")
+    rolling = digest is not None and (
+        pool_status.rollout_state(
+            observed.deployment, pods, digest=digest, replicas=state.desired, reconciled=reconciled
+        ).in_progress
+    )
+    return autoscaling.decide(
+        pool.autoscaling, state, now=now, load=load, hold_down=rolling or bool(status.get("drift"))
+    )
+
+
+def _scaled_events(body: kopf.Body, decision: autoscaling.Decision) -> None:
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    metrics.SCALINGS.labels(namespace, name, decision.reason).inc()
+    kopf.event(body, type="Normal", reason=decision.reason, message=decision.message)
+
+
 async def converge(
     *, namespace: str, name: str, uid: str, memo: kopf.Memo, observed: Observed
 ) -> None:
@@ -363,10 +411,23 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
     check_due = reconciled and digest is not None and _drift_check_due(memo, pool, pods)
 
     blocked = admission.refusal(pool, policy)
+    scaling: autoscaling.Decision | None = None
+    replicas = pool.replicas
+    if blocked is None and pool.autoscaling is not None:
+        scaling = await _autoscale(body, pool, pods, observed, reconciled)
+        replicas = scaling.state.desired
+    elif pool.autoscaling is not None and status.get("autoscaling"):
+        replicas = int(status["autoscaling"].get("desiredReplicas", pool.replicas))
     if blocked is None:
         try:
             applied = await _apply_children(
-                body, pool, memo, observed, fresh=check_due or not reconciled
+                body,
+                pool,
+                memo,
+                observed,
+                fresh=check_due or not reconciled,
+                replicas=replicas,
+                rescaled=scaling is not None and scaling.changed,
             )
         except ChatTemplateMissing as error:
             problems.append(str(error))
@@ -391,6 +452,8 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
                 )
                 reconciled = True
             digest, pinned = applied.digest, applied.pinned
+            if scaling is not None and scaling.changed:
+                _scaled_events(body, scaling)
 
     entries: list[drift.DriftEntry] | None = None
     checked = 0
@@ -405,14 +468,14 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
                 observed.deployment,
                 pods,
                 digest=digest,
-                replicas=pool.replicas,
+                replicas=replicas,
                 reconciled=reconciled,
             )
             candidates = drift.pods_to_recreate(
                 entries,
                 pods,
                 digest=digest,
-                replicas=pool.replicas,
+                replicas=replicas,
                 max_unavailable=pool.max_unavailable,
                 rollout_in_progress=rollout.in_progress,
             )
@@ -420,7 +483,7 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
                 entries,
                 candidates,
                 checked=checked,
-                replicas=pool.replicas,
+                replicas=replicas,
                 attempts=attempts,
                 max_attempts=policy.max_drift_recreations,
             )
@@ -431,7 +494,7 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
             )
         elif attempts >= policy.max_drift_recreations and status.get("drift"):
             gave_up = drift.persists_message(drift.entries_from_status(status["drift"]), attempts)
-    elif entries == [] and checked >= pool.replicas:
+    elif entries == [] and checked >= replicas:
         attempts = 0
 
     observation = pool_status.Observation(
@@ -439,7 +502,7 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
         revision=pool.revision,
         generation=generation,
         reconciled_generation=generation if reconciled else status.get("observedGeneration", 0),
-        replicas=pool.replicas,
+        replicas=replicas,
         digest=digest or "",
         deployment=observed.deployment,
         pods=pods,
@@ -451,6 +514,10 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
     )
     new_status.update(pool_status.compute_status(observation, status, now=_now()))
     new_status["driftRecreations"] = attempts
+    if scaling is not None:
+        new_status["autoscaling"] = scaling.status()
+    elif pool.autoscaling is None and "autoscaling" in status:
+        new_status["autoscaling"] = None  # autoscaling was turned off: its state goes
     patch = pool_status.status_patch(status, new_status)
     if patch:
         await kube.patch_pool_status(namespace, name, patch)
@@ -467,6 +534,9 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
         kopf.warn(body, reason=blocked.reason, message=blocked.message)
 
     metrics.READY_REPLICAS.labels(namespace, name).set(new_status["readyReplicas"])
+    metrics.DESIRED_REPLICAS.labels(namespace, name).set(replicas)
+    if scaling is not None:
+        metrics.POOL_LOAD.labels(namespace, name).set(scaling.load)
     if entries is not None:
         metrics.DRIFTED_REPLICAS.labels(namespace, name).set(len(drift.drifted_pods(entries)))
     uids = {p.name: p.uid for p in pods}

@@ -101,6 +101,21 @@ async def patch_pool_status(namespace: str, name: str, patch: dict[str, Any]) ->
     )
 
 
+async def annotate_pool(namespace: str, name: str, annotations: dict[str, str]) -> None:
+    """JSON merge patch of the pool's annotations (the gateway's demand record)."""
+    custom = kubernetes.client.CustomObjectsApi()
+    await asyncio.to_thread(
+        custom.patch_namespaced_custom_object,
+        naming.GROUP,
+        naming.VERSION,
+        namespace,
+        naming.PLURAL,
+        name,
+        {"metadata": {"annotations": annotations}},
+        _content_type=MERGE_PATCH_CONTENT_TYPE,
+    )
+
+
 async def read_configmap_key(namespace: str, name: str, key: str) -> str | None:
     """A ConfigMap value, or None when the ConfigMap or the key does not exist."""
     core = kubernetes.client.CoreV1Api()

@@ -6,6 +6,8 @@ import contextlib
 
 from prometheus_client import Counter, Gauge, start_http_server
 
+from llmpool.operator.autoscaling import CHANGES
+
 DRIFTED_REPLICAS = Gauge(
     "llmpool_operator_drifted_replicas",
     "Replicas of a pool whose fingerprint differs from the pin or from their siblings",
@@ -24,7 +26,29 @@ FINGERPRINT_ERRORS = Counter(
     "GET /fingerprint requests to ready pods that failed",
     ["namespace", "pool"],
 )
-POOL_METRICS = (DRIFTED_REPLICAS, READY_REPLICAS, RECREATED_PODS, FINGERPRINT_ERRORS)
+DESIRED_REPLICAS = Gauge(
+    "llmpool_operator_desired_replicas",
+    "Replicas the operator asks of a pool's Deployment (spec.replicas or the autoscaler's)",
+    ["namespace", "pool"],
+)
+POOL_LOAD = Gauge(
+    "llmpool_operator_pool_load",
+    "An autoscaled pool's load: requests running, waiting and held, averaged over its window",
+    ["namespace", "pool"],
+)
+SCALINGS = Counter(
+    "llmpool_operator_scalings_total",
+    "Replica count changes made by the autoscaler, by reason",
+    ["namespace", "pool", "reason"],
+)
+POOL_METRICS = (
+    DRIFTED_REPLICAS,
+    READY_REPLICAS,
+    RECREATED_PODS,
+    FINGERPRINT_ERRORS,
+    DESIRED_REPLICAS,
+    POOL_LOAD,
+)
 
 
 def serve(port: int) -> None:
@@ -36,3 +60,6 @@ def forget_pool(namespace: str, pool: str) -> None:
     for metric in POOL_METRICS:
         with contextlib.suppress(KeyError):
             metric.remove(namespace, pool)
+    for reason in CHANGES:
+        with contextlib.suppress(KeyError):
+            SCALINGS.remove(namespace, pool, reason)

@@ -121,8 +121,11 @@ def _engine_container(spec: PoolSpec, image: str) -> dict:
     return container
 
 
-def render_deployment(pool: str, spec: PoolSpec, digest: str, image: str) -> dict:
-    """The engine Deployment; ``image`` is used when the spec names none.
+def render_deployment(
+    pool: str, spec: PoolSpec, digest: str, image: str, replicas: int | None = None
+) -> dict:
+    """The engine Deployment; ``image`` is used when the spec names none, ``replicas`` (the
+    autoscaler's count) when given, else ``spec.replicas``.
 
     The pod template depends on the spec's engine settings and ``digest`` only, never on
     ``replicas``, so scaling does not roll the pods while any pinned change does.
@@ -174,7 +177,7 @@ def render_deployment(pool: str, spec: PoolSpec, digest: str, image: str) -> dic
             "annotations": {naming.DIGEST_ANNOTATION: digest},
         },
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": spec.replicas if replicas is None else replicas,
             "selector": {"matchLabels": naming.selector_labels(pool)},
             "strategy": {
                 "type": "RollingUpdate",

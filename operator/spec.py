@@ -10,12 +10,43 @@ from llmpool import pinning
 from llmpool.operator import naming
 
 # The API server fills these from the CRD's `default:`s; a test keeps the two in step.
+# `replicas` has no CRD default (a pool sets it or `autoscaling`, not both): 1 when neither.
 DEFAULT_REPLICAS = 1
 DEFAULT_PRIORITY_CLASS = "interactive"
 DEFAULT_DRIFT_POLICY = "Report"
 DEFAULT_DRIFT_INTERVAL_SECONDS = 30
 DEFAULT_MAX_UNAVAILABLE = 1
 DEFAULT_MAX_SURGE = 1
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    """``spec.autoscaling``: the operator sets the replica count from the pool's load."""
+
+    max_replicas: int
+    min_replicas: int = 1
+    target_in_flight_per_replica: float = 8.0
+    window_seconds: int = 60
+    scale_up_stabilization_seconds: int = 30
+    scale_down_delay_seconds: int = 300
+
+    @classmethod
+    def from_dict(cls, autoscaling: Mapping[str, Any]) -> AutoscalingSpec:
+        defaults = cls(max_replicas=autoscaling["maxReplicas"])
+        return cls(
+            max_replicas=autoscaling["maxReplicas"],
+            min_replicas=autoscaling.get("minReplicas", defaults.min_replicas),
+            target_in_flight_per_replica=autoscaling.get(
+                "targetInFlightPerReplica", defaults.target_in_flight_per_replica
+            ),
+            window_seconds=autoscaling.get("windowSeconds", defaults.window_seconds),
+            scale_up_stabilization_seconds=autoscaling.get(
+                "scaleUpStabilizationSeconds", defaults.scale_up_stabilization_seconds
+            ),
+            scale_down_delay_seconds=autoscaling.get(
+                "scaleDownDelaySeconds", defaults.scale_down_delay_seconds
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -59,7 +90,8 @@ class PoolSpec:
     source: str
     revision: str
     served_name: str
-    replicas: int = DEFAULT_REPLICAS
+    replicas: int = DEFAULT_REPLICAS  # ignored when autoscaling is set
+    autoscaling: AutoscalingSpec | None = None
     chat_template: ChatTemplateRef | None = None
     quantization: str = pinning.DEFAULT_QUANTIZATION
     kv_cache_dtype: str = pinning.DEFAULT_KV_CACHE_DTYPE
@@ -88,6 +120,9 @@ class PoolSpec:
             revision=model["revision"],
             served_name=model.get("servedName") or pinning.default_served_name(model["source"]),
             replicas=spec.get("replicas", DEFAULT_REPLICAS),
+            autoscaling=(
+                AutoscalingSpec.from_dict(spec["autoscaling"]) if spec.get("autoscaling") else None
+            ),
             chat_template=(
                 ChatTemplateRef(template["name"], template.get("key", naming.CHAT_TEMPLATE_KEY))
                 if template

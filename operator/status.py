@@ -141,7 +141,7 @@ def ready_condition(rollout: Rollout, replicas: int) -> cond.Condition:
     if rollout.complete and replicas > 0:
         return cond.Condition(cond.READY, "True", "AllReplicasReady", rollout.message)
     if replicas == 0:
-        return cond.Condition(cond.READY, "False", "ScaledToZero", "spec.replicas is 0")
+        return cond.Condition(cond.READY, "False", "ScaledToZero", "0 replicas desired")
     return cond.Condition(cond.READY, "False", rollout.reason, rollout.message)
 
 

@@ -9,19 +9,13 @@ gateway runs as a local process with the admin kubeconfig and reaches the pods b
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from harness import ClusterHandle, pod_ready, wait_for
+from harness import ClusterHandle, GatewayProcess, pod_ready, wait_for
 
 from llmpool import pinning
 from llmpool.operator import naming, render
@@ -36,12 +30,6 @@ MODEL = "smollm2"
 # another test runs on the shared cluster renders the same Deployment and rolls no pod.
 IMAGE = "llmpool:latest"
 ENGINE_START_SECONDS = 600  # first start converts the built-in GGUF model
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pool_object() -> dict[str, Any]:
@@ -59,58 +47,6 @@ def pool_object() -> dict[str, Any]:
     spec.pop("resources", None)
     spec["drift"] = {"policy": "Report", "intervalSeconds": 3600}
     return pool
-
-
-class GatewayProcess:
-    def __init__(self, cluster: ClusterHandle, namespace: str, log_path: Path) -> None:
-        self.port = free_port()
-        self.log_path = log_path
-        argv = [sys.executable, "-m", "llmpool.cli", "gateway", "--host", "127.0.0.1"]
-        argv += ["--port", str(self.port), "--namespace", namespace, "--hold-timeout", "0"]
-        with log_path.open("ab") as log:
-            self.process = subprocess.Popen(argv, env=cluster.env, stdout=log, stderr=log)
-        wait_for("the gateway to be ready", lambda: self.get("/ready")[0] == 200, 120, 0.5)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def get(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as response:
-                return response.status, response.read().decode()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
-        except OSError as error:
-            assert self.process.poll() is None, self.log_path.read_text()[-3000:]
-            return 0, str(error)
-
-    def complete(self, prompt: str, model: str = MODEL) -> tuple[int, dict[str, Any]]:
-        request = urllib.request.Request(
-            f"{self.url}/v1/completions",
-            data=json.dumps({"model": model, "prompt": prompt, "max_tokens": 2}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=120) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())
-
-    def sent_to(self) -> dict[str, float]:
-        """Requests the gateway sent, by replica (pod name)."""
-        totals: dict[str, float] = {}
-        for line in self.get("/metrics")[1].splitlines():
-            if line.startswith("llmpool_gateway:requests_total{"):
-                labels, value = line.rsplit(" ", 1)
-                replica = labels.split('replica="', 1)[1].split('"', 1)[0]
-                totals[replica] = totals.get(replica, 0.0) + float(value)
-        return totals
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=30)
 
 
 @pytest.fixture
@@ -171,7 +107,7 @@ def test_the_gateway_routes_by_endpointslices_and_pool_status(
 
     prompts = [f"Tenant {tenant} asks about the weather" for tenant in range(12)]
     for prompt in prompts:
-        status, body = gateway.complete(prompt)
+        status, body = gateway.complete(prompt, MODEL)
         assert status == 200, body
     spread = gateway.sent_to()
     assert set(spread) == set(pods), spread  # the replicas are the slices' pods, by name
@@ -183,7 +119,7 @@ def test_the_gateway_routes_by_endpointslices_and_pool_status(
     wait_for("the drift seen", lambda: _drift_applied(gateway, prompts, drifted), 30, 0.5)
     before = gateway.sent_to()
     for prompt in prompts:
-        assert gateway.complete(prompt)[0] == 200
+        assert gateway.complete(prompt, MODEL)[0] == 200
     after = gateway.sent_to()
     assert after.get(drifted, 0) == before.get(drifted, 0)
     assert after[healthy] - before[healthy] == len(prompts)
@@ -192,7 +128,7 @@ def test_the_gateway_routes_by_endpointslices_and_pool_status(
     set_status(cluster, namespace, {"drift": []})
     wait_for("the drifted pod back", lambda: _drift_applied(gateway, prompts, None), 30, 0.5)
 
-    status, body = gateway.complete("Hello", model="no-such-model")
+    status, body = gateway.complete("Hello", "no-such-model")
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
@@ -200,7 +136,7 @@ def _drift_applied(gateway: GatewayProcess, prompts: list[str], drifted: str | N
     """Whether one round of prompts matches the drift state: none to ``drifted``, or some to all."""
     before = gateway.sent_to()
     for prompt in prompts:
-        gateway.complete(prompt)
+        gateway.complete(prompt, MODEL)
     after = gateway.sent_to()
     got = {pod: after[pod] - before.get(pod, 0) for pod in after}
     if drifted is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import ClusterHandle, pod_ready, wait_for
+from harness import ClusterHandle, OperatorProcess, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -35,43 +34,6 @@ DRIFT_INTERVAL_SECONDS = 5
 # its watch caches to show a child missing or different; restoring takes at most that, plus
 # polling and kubectl slack.
 RESTORE_SECONDS = 2 * 2 + 5 + 15
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class OperatorProcess:
-    """`llmpool operator` as a local process, with its log kept for failures."""
-
-    def __init__(self, cluster: ClusterHandle, log_path: Path, *extra: str) -> None:
-        self.cluster = cluster
-        self.extra = extra
-        self.log_path = log_path
-        self.metrics_port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        argv = [sys.executable, "-m", "llmpool.cli", "operator", *self.extra]
-        argv += ["--metrics-port", str(self.metrics_port), "--liveness-port", str(free_port())]
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(argv, env=self.cluster.env, stdout=log, stderr=log)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(sig)
-            self.process.wait(timeout=30)
-        self.process = None
-
-    def metrics(self) -> str:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.read().decode()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +129,14 @@ BAD_SPECS = {
     "hf:// without a commit": (
         {"model": {"source": "hf://org/name", "revision": "sha256:" + "a" * 64}},
         "40-hex commit SHA",
+    ),
+    "replicas and autoscaling": (
+        {"autoscaling": {"maxReplicas": 3}},
+        "set either replicas or autoscaling, not both",
+    ),
+    "minReplicas above maxReplicas": (
+        {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+        "minReplicas must be at most maxReplicas",
     ),
 }
 

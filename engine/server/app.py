@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from llmpool.engine.admission import InvalidRequestError, PromptTooLongError
 from llmpool.engine.engine_core import EngineCore
+from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.server.async_engine import (
     AsyncEngine,
     ChildRequest,
@@ -121,6 +122,10 @@ class OpenAIServer:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        # Before the port opens: /ready must mean "a forward pass has run", so that a request
+        # held for a replica (a gateway scaling a pool from zero) never meets kernels that
+        # still compile or memory that is still untouched.
+        await asyncio.to_thread(warm_up, self.core)
         self.engine.start()
         # Digests of the loaded files take seconds; start now so /fingerprint answers fast.
         self._fingerprint = asyncio.create_task(
@@ -329,6 +334,14 @@ class OpenAIServer:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def warm_up(core: EngineCore) -> None:
+    """One short generation through the whole step: schedule, forward, sample, detokenize."""
+    prompt = core.tokenizer.encode("Hello", add_special_tokens=False) or [0]
+    core.add_request("warm-up", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while core.has_unfinished_requests():
+        core.step()
 
 
 def build_app(core: EngineCore, settings: ServerSettings) -> Starlette:

@@ -10,6 +10,7 @@ import copy
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import textwrap
@@ -331,7 +332,25 @@ def test_the_dashboard_has_the_promised_panels() -> None:
     assert "llmpool:prefix_cache_hits_total" in hit_rate
     assert "llmpool:prefix_cache_queries_total" in hit_rate
     assert "llmpool_operator_drifted_replicas" in panel("Drifted replicas")
+    replicas = panel("Desired vs ready replicas")
+    assert "llmpool_operator_desired_replicas" in replicas
+    assert "llmpool_operator_ready_replicas" in replicas
+    assert "llmpool_gateway:held_requests" in panel("held by the gateway")
+    assert "llmpool_operator_scalings_total" in panel("Scaling events")
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_the_dashboard_reads_only_metrics_that_exist() -> None:
+    """Every operator and gateway series a panel queries is one the code exports."""
+    dashboard = json.loads((CHART / "dashboards" / "llmpool.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    exported = (ROOT / "operator" / "metrics.py").read_text()
+    exported += (ROOT / "gateway" / "metrics.py").read_text()
+    queried = set(re.findall(r"(llmpool_(?:operator_|gateway:)[a-z_]+)", exprs))
+    assert queried
+    for name in queried:
+        base = re.sub(r"_(total|bucket|sum|count)$", "", name)
+        assert f'"{base}"' in exported or f'"{name}"' in exported, name
 
 
 def render_notes(tmp_path: Path, *args: str) -> str:

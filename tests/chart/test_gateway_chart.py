@@ -1,4 +1,4 @@
-"""The chart's gateway: Deployment, Service llmpool-gateway:8080, read-only RBAC, values, notes.
+"""The chart's gateway: Deployment, Service llmpool-gateway:8080, RBAC, values, notes.
 
 Renders through test_chart.py's helpers (loaded from its file: tests/ is not a package).
 """
@@ -26,10 +26,12 @@ pytestmark = chart.pytestmark  # skipped, as the other chart tests, without a he
 NAMESPACE, RELEASE = chart.NAMESPACE, chart.RELEASE
 GATEWAY = f"{RELEASE}-llmpool-gateway"
 READ = ["get", "list", "watch"]
+# Patch of llmpools: only to record held requests (annotation llmpool.dev/demand).
 EXPECTED_RULES = [
-    {"apiGroups": [naming.GROUP], "resources": [naming.PLURAL], "verbs": READ},
+    {"apiGroups": [naming.GROUP], "resources": [naming.PLURAL], "verbs": [*READ, "patch"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": READ},
 ]
+DEFAULT_ARGS = ["gateway", "--port=8080", "--hold-timeout=120", "--max-held=256"]
 
 
 def gateway_objects(**values: Any) -> dict[str, list[dict[str, Any]]]:
@@ -63,7 +65,7 @@ def test_the_deployment_runs_llmpool_gateway_safely() -> None:
     (deployment,) = gateway_objects()["Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["args"] == ["gateway", "--port=8080"]
+    assert container["args"] == DEFAULT_ARGS
     assert container["image"] == "ghcr.io/llmpool/llmpool:0.1.0"
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -90,7 +92,7 @@ def test_replicas_and_resources_follow_the_values() -> None:
     assert deployment["spec"]["template"]["spec"]["containers"][0]["resources"] == resources
 
 
-def test_clusterwide_rbac_only_reads_pools_and_endpointslices() -> None:
+def test_clusterwide_rbac_reads_pools_and_endpointslices_and_patches_pools_only() -> None:
     objects = gateway_objects()
     (role,) = objects["ClusterRole"]
     assert role["rules"] == EXPECTED_RULES
@@ -111,7 +113,16 @@ def test_watched_namespaces_get_a_role_each_and_the_flags() -> None:
     assert sorted(b["metadata"]["namespace"] for b in objects["RoleBinding"]) == watched
     (deployment,) = objects["Deployment"]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args == ["gateway", "--port=8080", "--namespace=team-a", "--namespace=team-b"]
+    assert args == [*DEFAULT_ARGS, "--namespace=team-a", "--namespace=team-b"]
+
+
+def test_without_demand_records_the_gateway_only_reads_pools() -> None:
+    objects = gateway_objects(gateway={"enabled": True, "recordDemand": False})
+    (role,) = objects["ClusterRole"]
+    assert role["rules"][0]["verbs"] == READ
+    (deployment,) = objects["Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args == [*DEFAULT_ARGS, "--no-demand-annotation"]
 
 
 def test_disabled_renders_no_gateway_and_rbac_off_renders_no_rules() -> None:
@@ -132,6 +143,20 @@ def test_the_schema_rejects_bad_gateway_values(bad: list[str]) -> None:
     result = chart.helm("template", RELEASE, str(chart.CHART), *bad, check=False)
     assert result.returncode != 0
     assert "values don't meet the specifications of the schema" in result.stderr, result.stderr
+
+
+def test_monitoring_scrapes_the_gateway_when_on() -> None:
+    for kind, value in (("ServiceMonitor", "serviceMonitor"), ("PodMonitor", "podMonitor")):
+        objects = gateway_objects(monitoring={value: {"enabled": True}})
+        (monitor,) = objects[kind]
+        (deployment,) = objects["Deployment"]
+        pods = deployment["spec"]["template"]["metadata"]["labels"]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= pods.items()
+        endpoints = monitor["spec"].get("endpoints") or monitor["spec"]["podMetricsEndpoints"]
+        assert [(e["port"], e["path"]) for e in endpoints] == [("http", "/metrics")]
+    assert "ServiceMonitor" not in gateway_objects(
+        gateway={"enabled": False}, monitoring={"serviceMonitor": {"enabled": True}}
+    )
 
 
 def test_notes_show_the_one_base_url(tmp_path: Path) -> None:

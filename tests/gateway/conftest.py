@@ -21,6 +21,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmpool.gateway.app import Gateway, GatewaySettings, build_app
+from llmpool.gateway.demand import DemandWriter
 from llmpool.gateway.pools import PoolTable
 from llmpool.operator import naming
 
@@ -104,9 +105,13 @@ def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
     """Serves a table the test filled (marked synced) on 127.0.0.1; stopped after the test."""
     started: list[RunningGateway] = []
 
-    def start(table: PoolTable, settings: GatewaySettings | None = None) -> RunningGateway:
+    def start(
+        table: PoolTable,
+        settings: GatewaySettings | None = None,
+        demand_writer: DemandWriter | None = None,
+    ) -> RunningGateway:
         table.synced = True
-        app = build_app(table, settings or GatewaySettings())
+        app = build_app(table, settings or GatewaySettings(), demand_writer=demand_writer)
         port = server_fixtures.free_port()
         server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")

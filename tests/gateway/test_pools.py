@@ -7,8 +7,9 @@ from typing import Any
 
 import yaml
 
-from llmpool.gateway.load import LoadTracker, parse_engine_gauges
+from llmpool.gateway.load import LoadTracker
 from llmpool.gateway.pools import PoolTable, Replica, pool_from_object
+from llmpool.load import parse_engine_gauges
 from llmpool.operator import naming
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -111,18 +112,17 @@ def test_load_is_the_larger_of_scrape_and_local_in_flight() -> None:
     assert tracker.get(replica).in_flight == 0
 
 
-def test_pool_load_sums_replicas_and_held_requests() -> None:
+def test_held_requests_are_counted_per_pool_and_replicas_forgotten_once_idle() -> None:
     pool = pool_from_object(example_pool("smollm2-interactive.yaml", **READY))
     a, b = Replica("a", "http://10.0.0.1:8000"), Replica("b", "http://10.0.0.2:8000")
     tracker = LoadTracker()
     tracker.record_scrape(a, {"running": 2.0, "waiting": 1.0})
     tracker.begin(b)
-    with tracker.held(pool):
-        load = tracker.pool_load(pool, [a, b])
-    assert (load.pool, load.in_flight, load.held, load.demand) == ("team-a/smollm2-chat", 1, 1, 5.0)
-    assert tracker.pool_load(pool, [a, b]).held == 0
+    with tracker.held(pool), tracker.held(pool):
+        assert tracker.held_count(pool) == 2
+    assert tracker.held_count(pool) == 0
     tracker.forget_except([a])
     assert tracker.get(b).in_flight == 1  # still running: kept until it ends
     tracker.end(b)
     tracker.forget_except([a])
-    assert tracker.pool_load(pool, [a]).replicas.keys() == {a.url}
+    assert tracker.replicas().keys() == {a.url}

@@ -112,6 +112,11 @@ def test_defaults_match_the_operator(schema):
     assert pinning.pinned_from_spec(schema.defaulted({"spec": minimal})["spec"], None) == (
         pinning.pinned_from_spec(minimal, None)
     )
+    autoscaled = {**minimal, "autoscaling": {"maxReplicas": 3}}
+    assert PoolSpec.from_dict(schema.defaulted({"spec": autoscaled})["spec"]) == (
+        PoolSpec.from_dict(autoscaled)
+    )
+    assert "replicas" not in schema.defaulted({"spec": autoscaled})["spec"]
 
 
 @pytest.mark.parametrize(
@@ -155,7 +160,14 @@ def cel_rules(schema) -> dict[str, list[dict[str, Any]]]:
 
 def test_cel_rules_are_well_formed(schema):
     rules = cel_rules(schema)
-    assert set(rules) == {"", ".spec", ".spec.model", ".spec.engine", ".spec.rollout"}
+    assert set(rules) == {
+        "",
+        ".spec",
+        ".spec.model",
+        ".spec.engine",
+        ".spec.rollout",
+        ".spec.autoscaling",
+    }
     for path, validations in rules.items():
         for validation in validations:
             rule = validation["rule"]

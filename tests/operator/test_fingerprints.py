@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from llmpool.operator.fingerprints import fetch_fingerprints, fingerprint_url
+from llmpool.operator.fingerprints import engine_url, fetch_fingerprints
 from llmpool.operator.views import pod_view
 
 
@@ -36,5 +36,5 @@ async def test_fetches_ready_pods_and_reports_the_unreachable(make_pod):
 
 
 def test_urls():
-    assert fingerprint_url("10.1.2.3") == "http://10.1.2.3:8000/fingerprint"
-    assert fingerprint_url("fd00::1") == "http://[fd00::1]:8000/fingerprint"
+    assert engine_url("10.1.2.3", "/fingerprint") == "http://10.1.2.3:8000/fingerprint"
+    assert engine_url("fd00::1", "/fingerprint") == "http://[fd00::1]:8000/fingerprint"

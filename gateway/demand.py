@@ -1,0 +1,82 @@
+"""What this gateway holds for each pool, written where the operator's autoscaler reads it.
+
+A pool with no ready replica (scaled to zero, or all replicas down) gets its requests held here;
+the operator cannot see them in any engine's gauges, so the gateway records the count on the
+LLMPool as the ``llmpool.dev/demand`` annotation (``llmpool.load.Demand``). Writes are
+rate-limited: the first hold is written at once (a pool at zero scales up from it), then the
+record is refreshed every ``DEMAND_REFRESH_SECONDS`` while requests are held, and cleared once
+when none are. Several gateway replicas overwrite each other's record; each refreshes while it
+holds, so the operator sees demand as long as any of them holds requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from llmpool.gateway.load import LoadTracker
+from llmpool.gateway.pools import PoolKey, PoolTable
+from llmpool.load import DEMAND_ANNOTATION, DEMAND_REFRESH_SECONDS, Demand
+from llmpool.operator import kube
+
+logger = logging.getLogger(__name__)
+
+DemandWriter = Callable[[PoolKey, Demand], Awaitable[None]]
+CHECK_SECONDS = 1.0  # how often held counts are compared with what was last written
+
+
+class DemandReporter:
+    def __init__(
+        self,
+        table: PoolTable,
+        tracker: LoadTracker,
+        write: DemandWriter,
+        refresh: float = DEMAND_REFRESH_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.table = table
+        self.tracker = tracker
+        self.write = write
+        self.refresh = refresh
+        self.clock = clock
+        self._written: dict[PoolKey, Demand] = {}
+        self._wake = asyncio.Event()
+
+    def poke(self) -> None:
+        """A request was just held: report without waiting for the next check."""
+        self._wake.set()
+
+    def due(self) -> list[tuple[PoolKey, Demand]]:
+        """The records to write now; each is taken as written (a failed write is retried later)."""
+        now = self.clock()
+        writes = []
+        for pool in self.table.pools():
+            held = self.tracker.held_count(pool)
+            last = self._written.get(pool.key)
+            last_held = last.held if last else 0
+            stale = last is None or now - last.at >= self.refresh
+            if (held > 0 and (last_held == 0 or stale)) or (held == 0 and last_held > 0):
+                writes.append((pool.key, Demand(held=held, at=now)))
+        return writes
+
+    async def run(self) -> None:
+        """Runs until cancelled (the app's lifespan ends)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), CHECK_SECONDS)
+            self._wake.clear()
+            for key, demand in self.due():
+                try:
+                    await self.write(key, demand)
+                except Exception as error:  # a hint, not a request: log it and try again later
+                    logger.warning("recording demand on LLMPool %s/%s failed: %s", *key, error)
+                    continue
+                self._written[key] = demand
+
+
+async def annotate(key: PoolKey, demand: Demand) -> None:
+    """The writer used in a cluster: a merge patch of the LLMPool's annotation."""
+    await kube.annotate_pool(key[0], key[1], {DEMAND_ANNOTATION: demand.to_annotation()})
