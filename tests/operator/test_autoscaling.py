@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from itertools import pairwise
 
 from llmpool.operator import autoscaling
 from llmpool.operator.autoscaling import ScalerState, decide
@@ -60,12 +61,10 @@ def test_step_scales_up_in_doubling_steps_then_down_one_at_a_time() -> None:
     assert changes == ups + downs  # no flapping: every up before every down
     # Each scale-up waits the stabilization time after the load (or the last step) asks.
     assert ups[0][0] - 60 >= SPEC.scale_up_stabilization_seconds
-    assert all(b[0] - a[0] >= SPEC.scale_up_stabilization_seconds for a, b in zip(ups, ups[1:]))
+    assert all(b[0] - a[0] >= SPEC.scale_up_stabilization_seconds for a, b in pairwise(ups))
     # Scale-down waits the delay after the load stops and between steps.
     assert downs[0][0] - 360 >= SPEC.scale_down_delay_seconds
-    assert all(
-        b[0] - a[0] >= SPEC.scale_down_delay_seconds for a, b in zip(downs, downs[1:])
-    )
+    assert all(b[0] - a[0] >= SPEC.scale_down_delay_seconds for a, b in pairwise(downs))
     assert changes == [
         (102, 2, "ScaledUp"),
         (134, 4, "ScaledUp"),
@@ -81,7 +80,7 @@ def test_ramp_scales_up_only_and_stays_within_max() -> None:
     changes = simulate(lambda t: min(t / 10, 60.0), 900)
     counts = [count for _, count, _ in changes]
     assert counts == sorted(counts) and counts[-1] == SPEC.max_replicas
-    assert all(new <= 2 * old for old, new in zip([1, *counts], counts))
+    assert all(new <= 2 * old for old, new in pairwise([1, *counts]))
     assert changes == [
         (102, 2, "ScaledUp"),
         (138, 3, "ScaledUp"),
@@ -198,7 +197,10 @@ def test_status_round_trip_keeps_the_whole_state() -> None:
 def test_spec_reads_the_crd_fields() -> None:
     spec = PoolSpec.from_dict(
         {
-            "model": {"source": "builtin://smollm2-135m-instruct", "revision": "sha256:" + "a" * 64},
+            "model": {
+                "source": "builtin://smollm2-135m-instruct",
+                "revision": "sha256:" + "a" * 64,
+            },
             "autoscaling": {"maxReplicas": 4, "minReplicas": 0, "targetInFlightPerReplica": 2.5},
         }
     )

@@ -11,6 +11,7 @@ import asyncio
 import copy
 import json
 import logging
+import time
 from typing import Any
 
 import kopf
@@ -18,6 +19,7 @@ import pytest
 from kopf._core.engines import posting
 from kubernetes.client import ApiException
 
+from llmpool.load import DEMAND_ANNOTATION, Demand
 from llmpool.operator import admission, handlers, kube
 from llmpool.operator.children import ChildView, child_view
 
@@ -243,3 +245,40 @@ async def test_a_refused_pool_gets_a_condition_and_no_children(api, change, reas
     ready = next(c for c in api.pool["status"]["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", reason)
     assert reasons(events) == [reason]
+
+
+async def test_an_autoscaled_pool_scales_from_zero_on_demand_without_a_restore_warning(
+    api, monkeypatch
+):
+    events = capture_events()
+    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    loads: dict[str, float] = {}
+
+    async def replica_loads(pods: Any) -> dict[str, float]:
+        return dict(loads)
+
+    monkeypatch.setattr(handlers, "replica_loads", replica_loads)
+    api.pool["spec"].pop("replicas", None)
+    api.pool["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 3}
+    memo = kopf.Memo()
+    await converge(api, memo)
+    assert [d["spec"]["replicas"] for d in api.deployments()] == [0]
+    assert api.pool["status"]["autoscaling"]["desiredReplicas"] == 0
+    assert api.pool["status"]["replicaSummary"] == "0/0"
+    reasons(events)
+
+    # A gateway holds two requests for the pool: the next pass scales to one at once.
+    held = Demand(held=2, at=time.time()).to_annotation()
+    api.pool["metadata"].setdefault("annotations", {})[DEMAND_ANNOTATION] = held
+    await converge(api, memo)
+    assert [d["spec"]["replicas"] for d in api.deployments()] == [0, 1]
+    status = api.pool["status"]["autoscaling"]
+    assert (status["desiredReplicas"], status["reason"]) == (1, "ScaledFromZero")
+    assert reasons(events) == ["ScaledFromZero"]  # no DeploymentRestored for its own change
+
+    # Turning autoscaling off hands the count back to spec.replicas and drops the state.
+    api.pool["spec"].pop("autoscaling")
+    update_spec(api, replicas=2)
+    await converge(api, memo)
+    assert api.deployments()[-1]["spec"]["replicas"] == 2
+    assert "autoscaling" not in api.pool["status"]
