@@ -184,20 +184,22 @@ def decide(
     )
     if bounded > current and now_wanted > current:
         since = state.above_since if state.above_since is not None else now
-        wait = spec.scale_up_stabilization_seconds - (now - since)
-        if wait <= 0:
+        due = since + spec.scale_up_stabilization_seconds
+        if due <= now:
             return change(min(bounded, max(1, 2 * current)), SCALED_UP, seen)
-        return stay(state.last_change, f"{seen}; scaling up in {wait}s", since, None)
+        message = f"{seen}; scaling up at {_rfc3339(due)} if it holds"
+        return stay(state.last_change, message, since, None)
     if bounded < current and now_wanted < current:
         since = state.below_since if state.below_since is not None else now
         if hold_down:
             message = f"{seen}; not scaling down while a rollout or drift recreation runs"
             return stay(SCALE_DOWN_HELD, message, None, since)
         last = state.last_scale_time if state.last_scale_time is not None else since
-        wait = spec.scale_down_delay_seconds - min(now - since, now - last)
-        if wait <= 0:
+        due = max(since, last) + spec.scale_down_delay_seconds
+        if due <= now:
             return change(current - 1, SCALED_DOWN, seen)
-        return stay(state.last_change, f"{seen}; scaling down in {wait}s", None, since)
+        message = f"{seen}; scaling down at {_rfc3339(due)} if it holds"
+        return stay(state.last_change, message, None, since)
     if wanted > spec.max_replicas and current == spec.max_replicas:
         return stay(HELD_AT_MAX, f"{seen}; held at maxReplicas {spec.max_replicas}", None, None)
     return stay(state.last_change, seen, None, None)
