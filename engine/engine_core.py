@@ -20,7 +20,13 @@ from llmpool.engine.kv_cache_manager import KVCacheManager
 from llmpool.engine.model_runner import ModelRunner
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
 from llmpool.engine.models.loader import SUPPORTED_MODEL_TYPES, load_weights
-from llmpool.engine.models.quantization import FP8_DTYPE, quantize_int8
+from llmpool.engine.models.quantization import (
+    FP8_DTYPE,
+    FP8_KV_SCALE_HEADROOM,
+    KV_CALIBRATION_TEXT,
+    fp8_kv_scale,
+    quantize_int8,
+)
 from llmpool.engine.outputs import RequestDelta
 from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.request import Request, RequestStatus
@@ -103,6 +109,8 @@ class EngineCore:
             return torch.zeros(cache_shape, dtype=self.kv_cache_torch_dtype, device=self.device)
 
         self.kv_caches = [(empty_cache(), empty_cache()) for _ in range(self.shape.num_layers)]
+        if self.kv_cache_torch_dtype == FP8_DTYPE:
+            self._calibrate_fp8_kv_scales()
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -131,6 +139,27 @@ class EngineCore:
             config.quantization,
             self.kv_dtype_name,
         )
+
+    def _calibrate_fp8_kv_scales(self) -> None:
+        """Set each layer's fp8 KV scales from the amax of its K and V over a fixed text.
+
+        One forward of ``KV_CALIBRATION_TEXT`` through a cache in the model's dtype (the pool is
+        already allocated, so its size did not count this pass's memory). This runs before the
+        scheduler exists and the scales never change afterwards: a prefix-cache block holds
+        ``K / k_scale``, and a block written under other scales would be read wrong by every
+        request that shares it. The scales follow from the pinned weights and the fixed text,
+        so they are not part of the fingerprint.
+        """
+        token_ids = self.tokenizer.encode(KV_CALIBRATION_TEXT)[: self.max_model_len]
+        amax = self.model.measure_kv_amax(token_ids, self.config.block_size, self.dtype)
+        self.model.set_kv_scales([(fp8_kv_scale(k), fp8_kv_scale(v)) for k, v in amax])
+        k_amax, v_amax = [k for k, _ in amax], [v for _, v in amax]
+        logger.info(
+            "fp8 KV scales calibrated on %d tokens: k amax %.3g..%.3g, v amax %.3g..%.3g"
+            " across %d layers, each stored at e4m3 max / %g",
+            len(token_ids), min(k_amax), max(k_amax), min(v_amax), max(v_amax),
+            len(amax), FP8_KV_SCALE_HEADROOM,
+        )  # fmt: skip
 
     @property
     def kv_dtype_name(self) -> str:

@@ -112,6 +112,7 @@ class LlamaLayer(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.scale = shape.head_dim**-0.5
         # Per-tensor scales of an fp8 KV cache: it stores K / k_scale (quantization.quantize_fp8).
+        # Calibrated once at load (EngineCore), fixed afterwards.
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -200,6 +201,52 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual, self.norm, self.shape.rms_norm_eps
         )
         return hidden
+
+    @torch.inference_mode()
+    def measure_kv_amax(
+        self, token_ids: list[int], block_size: int, cache_dtype: torch.dtype
+    ) -> list[tuple[float, float]]:
+        """Each layer's largest ``|K|`` (after rotary, as written to the cache) and ``|V|``
+        over one sequence of ``token_ids``, run through a throwaway cache of ``cache_dtype``.
+
+        The cache must not be fp8 (its scales are what this measures); it starts zeroed, so
+        its amax is the amax of what the forward wrote.
+        """
+        device = self.cos_sin_cache.device
+        num_tokens = len(token_ids)
+        num_blocks = -(-num_tokens // block_size)
+        cache_shape = (num_blocks, block_size, self.shape.num_kv_heads, self.shape.head_dim)
+        kv_caches = [
+            (
+                torch.zeros(cache_shape, dtype=cache_dtype, device=device),
+                torch.zeros(cache_shape, dtype=cache_dtype, device=device),
+            )
+            for _ in self.layers
+        ]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            block_size=block_size,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        self(input_ids, torch.arange(num_tokens, device=device), kv_caches, meta)
+        amax = torch.stack(
+            [torch.stack([k.abs().amax(), v.abs().amax()]) for k, v in kv_caches]
+        ).float()
+        return [(float(k), float(v)) for k, v in amax.tolist()]
+
+    def set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
+        """``(k_scale, v_scale)`` of each layer's fp8 cache; see EngineCore for when this may run."""
+        for layer, (k_scale, v_scale) in zip(self.layers, scales, strict=True):
+            layer.k_scale, layer.v_scale = k_scale, v_scale
+
+    @property
+    def kv_scales(self) -> list[tuple[float, float]]:
+        return [(layer.k_scale, layer.v_scale) for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, nn.Module):  # quantized
