@@ -1,23 +1,31 @@
 """`llmpool gateway` on the real control plane: its table from real LLMPools and EndpointSlices.
 
-The pool's Service and Deployment are rendered by the operator's own functions and applied, so
-the real controllers make the ReplicaSet, the pods and the EndpointSlices the gateway watches;
-the test writes the pool's status (Ready, pinnedDigest, drift) as the operator would. The
-gateway runs as a local process with the admin kubeconfig and reaches the pods by pod IP.
+The first test renders the pool's Service and Deployment with the operator's own functions and
+writes the pool's status (Ready, pinnedDigest, drift) by hand, so the routing is checked against
+a known table. The later tests run the real operator for the examples' pools (status as it
+reports it: Ready, pins, drift) or kill a replica for real. The gateway runs as a local process
+with the admin kubeconfig and reaches the pods by pod IP.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
-from harness import ClusterHandle, GatewayProcess, pod_ready, wait_for
+from harness import ClusterHandle, GatewayProcess, OperatorProcess, pod_ready, wait_for
 
 from llmpool import pinning
+from llmpool.gateway import routing
+from llmpool.gateway.pools import Replica
 from llmpool.operator import naming, render
 from llmpool.operator.spec import PoolSpec
 
@@ -142,3 +150,337 @@ def _drift_applied(gateway: GatewayProcess, prompts: list[str], drifted: str | N
     if drifted is not None:
         return got.get(drifted, 0) == 0
     return all(count > 0 for count in got.values()) and len(got) == 2
+
+
+# --------------------------------------------------------------------------- with the operator
+
+BATCH_POOL = "smollm2-batch"
+DRIFT_INTERVAL_SECONDS = 3
+
+
+def example(file: str, replicas: int) -> list[dict[str, Any]]:
+    """An example's documents, its pool made small as ``pool_object`` does."""
+    documents = [d for d in yaml.safe_load_all((ROOT / "examples" / file).read_text()) if d]
+    spec = next(d for d in documents if d["kind"] == naming.KIND)["spec"]
+    spec["replicas"] = replicas
+    spec["maxModelLen"] = 512
+    spec["engine"] = {
+        **spec["engine"], "maxNumSeqs": 8, "maxNumBatchedTokens": 512, "kvCacheMemory": "32Mi",
+    }  # fmt: skip
+    spec.pop("resources", None)
+    return documents
+
+
+def pool_status(cluster: ClusterHandle, namespace: str, name: str) -> dict[str, Any]:
+    return cluster.get("llmpool", name, "-n", namespace).get("status") or {}
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+def wait_pool_ready(cluster: ClusterHandle, namespace: str, name: str) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        status = pool_status(cluster, namespace, name)
+        return status if condition(status, "Ready").get("status") == "True" else None
+
+    return wait_for(f"LLMPool {name} Ready", ready, ENGINE_START_SECONDS, 1)
+
+
+def live_pods(cluster: ClusterHandle, namespace: str, pool: str) -> list[dict[str, Any]]:
+    pods = cluster.get("pods", "-n", namespace, "-l", naming.selector_string(pool))["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def samples(gateway: GatewayProcess, metric: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of one gateway metric: (labels, value) each."""
+    found = []
+    for line in gateway.get("/metrics")[1].splitlines():
+        if line.startswith(metric + "{"):
+            labels, value = line.rsplit(" ", 1)
+            found.append((dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
+    return found
+
+
+def sent_by(gateway: GatewayProcess, label: str) -> dict[str, float]:
+    """Requests the gateway sent to a replica, summed by ``label`` (pool, replica, decision)."""
+    totals: dict[str, float] = {}
+    for labels, value in samples(gateway, "llmpool_gateway:requests_total"):
+        totals[labels[label]] = totals.get(labels[label], 0.0) + value
+    return totals
+
+
+def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key)
+    }
+
+
+def post(
+    gateway: GatewayProcess, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=headers, timeout=60)
+    return response.status_code, response.json()
+
+
+@pytest.fixture
+def operator(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """The real operator for this test's namespace only."""
+    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=established", "crd/llmpools.llmpool.dev")
+    process = OperatorProcess(cluster, tmp_path / "operator.log", "-n", namespace, "--standalone")
+    process.start()
+    yield process
+    if process.process is None:
+        process.start()
+    # The pools carry the operator's finalizer: remove them while it runs.
+    cluster.run(
+        "kubectl", "delete", "llmpools", "--all", "-n", namespace, "--timeout=60s", check=False
+    )
+    process.stop()
+
+
+def test_one_base_url_serves_both_example_pools_by_priority(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess, gateway: GatewayProcess
+) -> None:
+    interactive = example("smollm2-interactive.yaml", replicas=1)
+    batch = example("smollm2-batch.yaml", replicas=1)
+    # Both examples serve one name; the gateway decides between them by priority.
+    served = interactive[-1]["spec"]["model"]["servedName"]
+    assert batch[-1]["spec"]["model"]["servedName"] == served
+    cluster.apply(*interactive, *batch, namespace=namespace)
+    for name in (POOL, BATCH_POOL):
+        wait_pool_ready(cluster, namespace, name)
+
+    listed = wait_for(
+        "the model listed", lambda: json.loads(gateway.get("/v1/models")[1])["data"], 30
+    )
+    assert [m["id"] for m in listed] == [served]
+
+    body = {"model": served, "prompt": "Hello", "max_tokens": 2}
+    cases: list[tuple[dict[str, Any], dict[str, str], str]] = [
+        ({}, {}, POOL),
+        ({"priority": "batch"}, {}, BATCH_POOL),
+        ({}, {"X-LLMPool-Priority": "batch"}, BATCH_POOL),
+        ({"priority": "interactive"}, {"X-LLMPool-Priority": "batch"}, POOL),  # the body wins
+        ({"priority": 1}, {}, BATCH_POOL),  # vLLM's integer priority: 1 is batch's
+    ]
+    # The gateway's watch may see a pool's endpoints a moment after its Ready status.
+    wait_for(
+        "both pools answering",
+        lambda: all(post(gateway, {**body, **extra})[0] == 200 for extra, _, _ in cases[:2]),
+        30,
+    )
+    for extra, headers, pool in cases:
+        before = sent_by(gateway, "pool")
+        status, answer = post(gateway, {**body, **extra}, headers)
+        assert status == 200, answer
+        assert grew(before, sent_by(gateway, "pool")) == {f"{namespace}/{pool}": 1}, extra
+
+
+def test_a_replica_made_to_drift_gets_nothing_until_healed(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess, gateway: GatewayProcess
+) -> None:
+    documents = example("smollm2-interactive.yaml", replicas=2)
+    pool = documents[-1]
+    pool["spec"]["drift"] = {"policy": "Report", "intervalSeconds": DRIFT_INTERVAL_SECONDS}
+    cluster.apply(*documents, namespace=namespace)
+    wait_pool_ready(cluster, namespace, POOL)
+    prompts = [f"Tenant {tenant} asks about the weather" for tenant in range(12)]
+    wait_for("traffic on both replicas", lambda: len(_round(gateway, prompts)) == 2, 30, 0.5)
+
+    # As in test_operator.py: with the operator away (it would restore the ConfigMap at once),
+    # edit the template every pod mounts and restart one pod, which now runs another template.
+    operator.stop()
+    try:
+        patch = {"data": {"template": "{{ messages }} tampered"}}
+        cluster.kubectl(
+            "patch", "configmap", naming.configmap_name(POOL), "-n", namespace, "--type=merge",
+            "-p", json.dumps(patch),
+        )  # fmt: skip
+        before = {p["metadata"]["name"] for p in live_pods(cluster, namespace, POOL)}
+        victim = sorted(before)[0]
+        cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
+
+        def replacement_ready() -> str | None:
+            new = [
+                p["metadata"]["name"]
+                for p in live_pods(cluster, namespace, POOL)
+                if p["metadata"]["name"] not in before and pod_ready(p)
+            ]
+            return new[0] if new else None
+
+        drifted = wait_for("the replacement pod", replacement_ready, ENGINE_START_SECONDS)
+    finally:
+        operator.start()
+    [healthy] = before - {victim}
+
+    def reported() -> dict[str, Any] | None:
+        status = pool_status(cluster, namespace, POOL)
+        return status if [e["pod"] for e in status.get("drift") or []] == [drifted] else None
+
+    status = wait_for("the drift reported", reported, 2 * DRIFT_INTERVAL_SECONDS + 30)
+    assert status["drift"][0]["field"] == "chatTemplateSha256"
+
+    # From the report on: the drifted pod gets nothing while the pool answers every request.
+    before_counts = gateway.sent_to()
+    for prompt in prompts:
+        status_code, answer = gateway.complete(prompt, MODEL)
+        assert status_code == 200, answer
+    got = grew(before_counts, gateway.sent_to())
+    assert got == {healthy: len(prompts)}, got
+    assert [e["pod"] for e in pool_status(cluster, namespace, POOL)["drift"]] == [drifted]
+
+    # Healed: the operator recreates the pod (from the restored template); both take traffic.
+    cluster.kubectl(
+        "patch", "llmpool", POOL, "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"drift": {"policy": "Recreate"}}}),
+    )  # fmt: skip
+
+    def healed() -> list[str] | None:
+        status = pool_status(cluster, namespace, POOL)
+        pods = sorted(p["metadata"]["name"] for p in live_pods(cluster, namespace, POOL))
+        done = not status.get("drift") and drifted not in pods and len(pods) == 2
+        return pods if done and condition(status, "Ready").get("status") == "True" else None
+
+    pods = wait_for("the drifted pod recreated", healed, ENGINE_START_SECONDS, 1)
+    wait_for(
+        "traffic on both replicas again", lambda: sorted(_round(gateway, prompts)) == pods, 30, 0.5
+    )
+    assert gateway.sent_to().get(drifted, 0) == 0  # never, over its whole life
+
+
+def _round(gateway: GatewayProcess, prompts: list[str]) -> dict[str, float]:
+    """One request per prompt, each answered; what each replica got."""
+    before = gateway.sent_to()
+    for prompt in prompts:
+        status, answer = gateway.complete(prompt, MODEL)
+        assert status == 200, answer
+    return grew(before, gateway.sent_to())
+
+
+# --------------------------------------------------------------------------- a replica killed
+
+STREAMS = 4
+REQUESTS = 4
+CLIENT_TIMEOUT_SECONDS = 60  # a stream that hangs fails the test instead of stalling it
+
+
+def _stream(gateway: GatewayProcess, body: dict[str, Any], started: threading.Event) -> list[str]:
+    """The data of each event of a streamed completion, until the stream ends."""
+    events = []
+    with httpx.stream(
+        "POST", f"{gateway.url}/v1/completions", json={**body, "stream": True},
+        timeout=CLIENT_TIMEOUT_SECONDS,
+    ) as response:  # fmt: skip
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                started.set()
+    return events
+
+
+def in_flight(gateway: GatewayProcess) -> dict[str, float]:
+    return {
+        labels["replica"]: value
+        for labels, value in samples(gateway, "llmpool_gateway:in_flight_requests")
+    }
+
+
+def ranked_first(pod: str, pods: list[str], stem: str, count: int) -> list[str]:
+    """``count`` prompts whose prefix key ranks ``pod`` first among ``pods`` (computed)."""
+    candidates = [routing.Candidate(Replica(name, name), 0.0, None) for name in pods]
+    found = []
+    for index in range(1000):
+        text = f"{stem} {index}: once upon a time"
+        key = routing.prefix_key(routing.prompt_text({"prompt": text}))
+        if routing.rank(key, candidates)[0].replica.name == pod:
+            found.append(text)
+            if len(found) == count:
+                return found
+    raise AssertionError(f"no {count} prompts rank {pod} first")
+
+
+def well_formed_error(answer: dict[str, Any]) -> bool:
+    error = answer.get("error")
+    return isinstance(error, dict) and {"message", "type", "code"} <= set(error)
+
+
+def test_killing_a_replica_mid_load_retries_requests_and_ends_streams(
+    cluster: ClusterHandle,
+    namespace: str,
+    engines: tuple[list[str], str],
+    gateway: GatewayProcess,
+) -> None:
+    pods, digest = engines
+    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "2/2",
+             "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    set_status(cluster, namespace, {"conditions": [ready], "pinnedDigest": digest})
+    prompts = [f"Tenant {tenant} asks about the weather" for tenant in range(12)]
+    wait_for("traffic on both replicas", lambda: len(_round(gateway, prompts)) == 2, 30)
+    # No replacement for the killed pod: its engine start would only slow the rest down.
+    for kind in ("deployment", "replicaset"):
+        cluster.kubectl(
+            "delete", kind, "-n", namespace, "-l", naming.selector_string(POOL), "--cascade=orphan"
+        )
+
+    # Prompts whose prefix key ranks a given pod first, as the gateway ranks them: two streams
+    # on each replica, then requests that the victim takes until it reaches its load bound.
+    victim, survivor = pods
+    long = {"model": MODEL, "max_tokens": 64, "ignore_eos": True, "temperature": 0}
+    stories = ranked_first(victim, pods, "Story", 2) + ranked_first(survivor, pods, "Story", 2)
+    questions = ranked_first(victim, pods, "Question", REQUESTS)
+    with ThreadPoolExecutor(STREAMS + 2 * REQUESTS) as executor:
+        started = [threading.Event() for _ in stories]
+        streams = [
+            executor.submit(_stream, gateway, {**long, "prompt": story}, event)
+            for story, event in zip(stories, started, strict=True)
+        ]
+        for event in started:
+            assert event.wait(CLIENT_TIMEOUT_SECONDS), "a stream did not start"
+        assert in_flight(gateway) == {victim: 2, survivor: 2}
+        requests = [
+            executor.submit(post, gateway, {**long, "prompt": question}) for question in questions
+        ]
+        wait_for(
+            "requests in flight on the victim", lambda: in_flight(gateway)[victim] > 2, 10, 0.1
+        )
+        cluster.kubectl(
+            "delete", "pod", victim, "-n", namespace, "--grace-period=0", "--force", "--wait=false"
+        )
+        killed_at = time.monotonic()
+        # Requests that start after the kill, before or after the gateway hears of it.
+        later: list[Future[tuple[int, dict[str, Any]]]] = [
+            executor.submit(post, gateway, {"model": MODEL, "prompt": f"Late {i}", "max_tokens": 4})
+            for i in range(REQUESTS)
+        ]
+        answers = [f.result(timeout=2 * CLIENT_TIMEOUT_SECONDS) for f in requests + later]
+        events = [f.result(timeout=2 * CLIENT_TIMEOUT_SECONDS) for f in streams]
+    print(f"all answered {time.monotonic() - killed_at:.1f}s after the kill")
+
+    for status, answer in answers:
+        assert status == 200 or well_formed_error(answer), (status, answer)
+    # Not even an error: the requests the victim held were retried on the survivor.
+    assert [status for status, _ in answers] == [200] * len(answers), answers
+
+    broken = []
+    for story, stream in zip(stories, events, strict=True):
+        assert stream[-1] == "[DONE]", stream[-3:]
+        chunks = [json.loads(data) for data in stream[:-1]]
+        if "error" in chunks[-1]:
+            broken.append(story)
+            assert chunks[-1]["error"]["code"] == "upstream_stream_broken", chunks[-1]
+        else:
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+    assert broken == stories[:2], events  # the streams the victim relayed, and only those
+
+    errors = {
+        labels["kind"]: value
+        for labels, value in samples(gateway, "llmpool_gateway:upstream_errors_total")
+        if labels["replica"] == victim
+    }
+    assert errors.get("stream") == len(broken), errors
+    retried = sent_by(gateway, "decision").get("retry", 0)
+    print(f"killed {victim}: {len(broken)} streams broke, {retried:.0f} requests retried, {errors}")
+    assert retried >= 1  # at least the requests the victim held when it died

@@ -235,7 +235,7 @@ def test_install_serve_upgrade_uninstall(
         # as the local cluster routes no Service IP).
         (gateway,) = release_pods(cluster, namespace, "gateway")
         gateway_url = f"http://{gateway['status']['podIP']}:8080/v1"
-        served = sorted(pool["spec"]["model"]["servedName"] for pool in ready)
+        served = sorted({pool["spec"]["model"]["servedName"] for pool in ready})
         assert sorted(m["id"] for m in list_models(gateway_url)) == served
         for served_name in served:
             reply = chat_on_url(gateway_url, served_name)
