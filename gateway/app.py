@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,14 @@ from llmpool.gateway.proxy import RelayResponse, UpstreamFailed, open_response, 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = "1"
+# Probe an idle upstream connection after 30 s, every 10 s, and give up after 3 misses: a
+# replica gone without a FIN or RST fails its streams within about a minute.
+KEEPALIVE = [
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3),
+]
 
 
 @dataclass(frozen=True)
@@ -65,9 +74,13 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.demand = DemandReporter(table, self.tracker, demand_writer) if demand_writer else None
         self.background = [*background, *([self.demand.run] if self.demand else [])]
+        # No read timeout (a queued request is legitimately silent), so TCP keepalive is what
+        # ends a stream from a replica whose node vanished without closing its connections.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=settings.connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=limits,
+            transport=httpx.AsyncHTTPTransport(limits=limits, socket_options=KEEPALIVE),
         )
         self._created = int(time.time())
 
