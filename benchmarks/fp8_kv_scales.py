@@ -30,9 +30,7 @@ from llmpool.engine.models.quantization import (
     KV_CALIBRATION_TEXT,
     fp8_kv_scale,
 )
-from llmpool.engine.request import Request
-from llmpool.engine.sampling_params import SamplingParams
-from llmpool.engine.scheduler import SchedulerOutput
+from llmpool.engine.scoring import next_token_log_probs
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -96,21 +94,6 @@ HEADROOMS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 STRESS_KEY_FACTOR = 32.0
 STRESS_VALUE_FACTOR = 1 / 1024
 COMMON = {"max_model_len": 512, "kv_cache_memory": "64MiB", "dtype": "float32"}
-
-
-def next_token_log_probs(core: EngineCore, token_ids: list[int]) -> torch.Tensor:
-    """Log-probabilities ``[len - 1, vocab]`` of each next token, one forward through the cache."""
-    request = Request("score", token_ids, SamplingParams(max_tokens=1), frozenset())
-    manager = core.kv_cache_manager
-    assert manager.allocate_slots(request, len(token_ids))
-    try:
-        inputs = core.runner.prepare_inputs(SchedulerOutput([request], [len(token_ids)]))
-        with torch.inference_mode():
-            hidden = core.model(inputs.input_ids, inputs.positions, core.kv_caches, inputs.meta)
-            logits = core.model.compute_logits(hidden[:-1])
-    finally:
-        manager.free(request)
-    return torch.log_softmax(logits.double(), dim=-1)
 
 
 def score(log_probs: torch.Tensor, reference: torch.Tensor, token_ids: list[int]) -> dict:

@@ -1,11 +1,12 @@
-"""GET /fingerprint from every ready engine pod, concurrently and with a short timeout."""
+"""GET /fingerprint (or another path) from every ready engine pod, concurrently, briefly."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import httpx
 
@@ -14,6 +15,7 @@ from llmpool.operator.drift import Fingerprint
 from llmpool.operator.views import PodView
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_SECONDS = 2.0
 
@@ -34,29 +36,50 @@ def checkable(pods: Sequence[PodView]) -> list[PodView]:
     return [p for p in pods if p.ready and p.ip and not p.terminating]
 
 
+async def fetch_from_pods(
+    pods: Sequence[PodView],
+    path: str,
+    parse: Callable[[PodView, httpx.Response], T],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[dict[str, T], dict[str, str]]:
+    """GET ``path`` from every checkable pod at once: what ``parse`` made of each answer, and
+    why each other pod failed, by pod name."""
+    targets = checkable(pods)
+    async with httpx.AsyncClient(timeout=timeout, transport=transport) as client:
+
+        async def fetch(pod: PodView) -> T:
+            assert pod.ip is not None
+            response = await client.get(engine_url(pod.ip, path))
+            response.raise_for_status()
+            return parse(pod, response)
+
+        results = await asyncio.gather(*(fetch(p) for p in targets), return_exceptions=True)
+    answered: dict[str, T] = {}
+    failed: dict[str, str] = {}
+    for pod, result in zip(targets, results, strict=True):
+        if isinstance(result, BaseException):
+            failed[pod.name] = f"{type(result).__name__}: {result}"
+        else:
+            answered[pod.name] = result
+    return answered, failed
+
+
+def _fingerprint(pod: PodView, response: httpx.Response) -> Fingerprint:
+    body = response.json()
+    if not isinstance(body, dict):
+        raise ValueError(f"expected a JSON object, got {type(body).__name__}")
+    return Fingerprint(pod=pod.name, template_digest=pod.digest, body=body)
+
+
 async def fetch_fingerprints(
     pods: Sequence[PodView],
     *,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> FingerprintReport:
-    targets = checkable(pods)
-    async with httpx.AsyncClient(timeout=timeout, transport=transport) as client:
-
-        async def fetch(pod: PodView) -> Fingerprint:
-            assert pod.ip is not None
-            response = await client.get(engine_url(pod.ip, "/fingerprint"))
-            response.raise_for_status()
-            body = response.json()
-            if not isinstance(body, dict):
-                raise ValueError(f"expected a JSON object, got {type(body).__name__}")
-            return Fingerprint(pod=pod.name, template_digest=pod.digest, body=body)
-
-        results = await asyncio.gather(*(fetch(p) for p in targets), return_exceptions=True)
-    report = FingerprintReport(fingerprints=[])
-    for pod, result in zip(targets, results, strict=True):
-        if isinstance(result, Fingerprint):
-            report.fingerprints.append(result)
-        else:
-            report.unreachable[pod.name] = f"{type(result).__name__}: {result}"
-    return report
+    answered, failed = await fetch_from_pods(
+        pods, "/fingerprint", _fingerprint, timeout=timeout, transport=transport
+    )
+    return FingerprintReport(fingerprints=list(answered.values()), unreachable=failed)

@@ -86,34 +86,34 @@ async def read_pool(namespace: str, name: str) -> dict[str, Any] | None:
     return cast(dict[str, Any], pool)
 
 
-async def patch_pool_status(namespace: str, name: str, patch: dict[str, Any]) -> None:
-    """JSON merge patch of the status subresource."""
-    custom = kubernetes.client.CustomObjectsApi()
+async def _merge_patch_pool(
+    patch: Callable[..., Any], namespace: str, name: str, body: dict[str, Any]
+) -> None:
     await asyncio.to_thread(
-        custom.patch_namespaced_custom_object_status,
+        patch,
         naming.GROUP,
         naming.VERSION,
         namespace,
         naming.PLURAL,
         name,
-        {"status": patch},
+        body,
         _content_type=MERGE_PATCH_CONTENT_TYPE,
+    )
+
+
+async def patch_pool_status(namespace: str, name: str, patch: dict[str, Any]) -> None:
+    """JSON merge patch of the status subresource."""
+    custom = kubernetes.client.CustomObjectsApi()
+    await _merge_patch_pool(
+        custom.patch_namespaced_custom_object_status, namespace, name, {"status": patch}
     )
 
 
 async def annotate_pool(namespace: str, name: str, annotations: dict[str, str]) -> None:
     """JSON merge patch of the pool's annotations (the gateway's demand record)."""
     custom = kubernetes.client.CustomObjectsApi()
-    await asyncio.to_thread(
-        custom.patch_namespaced_custom_object,
-        naming.GROUP,
-        naming.VERSION,
-        namespace,
-        naming.PLURAL,
-        name,
-        {"metadata": {"annotations": annotations}},
-        _content_type=MERGE_PATCH_CONTENT_TYPE,
-    )
+    body = {"metadata": {"annotations": annotations}}
+    await _merge_patch_pool(custom.patch_namespaced_custom_object, namespace, name, body)
 
 
 async def read_configmap_key(namespace: str, name: str, key: str) -> str | None:

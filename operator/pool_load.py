@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 
 import httpx
 
 from llmpool.load import Demand, parse_engine_gauges, replica_load
-from llmpool.operator.fingerprints import DEFAULT_TIMEOUT_SECONDS, checkable, engine_url
+from llmpool.operator.fingerprints import DEFAULT_TIMEOUT_SECONDS, fetch_from_pods
 from llmpool.operator.views import PodView
 
 logger = logging.getLogger(__name__)
+
+
+def _in_flight(pod: PodView, response: httpx.Response) -> float:
+    gauges = parse_engine_gauges(response.text)
+    return replica_load(gauges.get("running", 0.0), gauges.get("waiting", 0.0))
 
 
 async def replica_loads(
@@ -21,25 +25,15 @@ async def replica_loads(
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> dict[str, float]:
-    """Running plus waiting requests of each ready pod that answered its ``/metrics``."""
-    targets = checkable(pods)
-    async with httpx.AsyncClient(timeout=timeout, transport=transport) as client:
+    """Running plus waiting requests of each ready pod that answered its ``/metrics``.
 
-        async def fetch(pod: PodView) -> float:
-            assert pod.ip is not None
-            response = await client.get(engine_url(pod.ip, "/metrics"))
-            response.raise_for_status()
-            gauges = parse_engine_gauges(response.text)
-            return replica_load(gauges.get("running", 0.0), gauges.get("waiting", 0.0))
-
-        results = await asyncio.gather(*(fetch(p) for p in targets), return_exceptions=True)
-    loads = {}
-    for pod, result in zip(targets, results, strict=True):
-        if isinstance(result, BaseException):
-            # Not counted: a replica that cannot answer is not serving either.
-            logger.debug("GET /metrics of pod %s failed: %s", pod.name, result)
-        else:
-            loads[pod.name] = result
+    A pod that does not answer is left out: a replica that cannot answer is not serving either.
+    """
+    loads, failed = await fetch_from_pods(
+        pods, "/metrics", _in_flight, timeout=timeout, transport=transport
+    )
+    for pod, why in failed.items():
+        logger.debug("GET /metrics of pod %s failed: %s", pod, why)
     return loads
 
 

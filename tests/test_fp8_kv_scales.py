@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from llmpool.engine import SamplingParams, engine_core
+from llmpool.engine import engine_core
 from llmpool.engine.attention import AttentionMetadata, Backend, select_backend
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
@@ -26,8 +26,7 @@ from llmpool.engine.models.quantization import (
     KV_CALIBRATION_TEXT,
     fp8_kv_scale,
 )
-from llmpool.engine.request import Request
-from llmpool.engine.scheduler import SchedulerOutput
+from llmpool.engine.scoring import next_token_log_probs
 from llmpool.engine.server.fingerprint import build_fingerprint
 
 pytestmark = pytest.mark.slow
@@ -64,21 +63,6 @@ def fp8_engine() -> EngineCore:
 @pytest.fixture(scope="module")
 def reference_log_probs(fp32_engine: EngineCore) -> torch.Tensor:
     return next_token_log_probs(fp32_engine, fp32_engine.tokenizer.encode(TEXT))
-
-
-def next_token_log_probs(core: EngineCore, token_ids: list[int]) -> torch.Tensor:
-    """Log-probabilities of each next token of ``token_ids``, one forward through the cache."""
-    request = Request("score", token_ids, SamplingParams(max_tokens=1), frozenset())
-    manager = core.kv_cache_manager
-    assert manager.allocate_slots(request, len(token_ids))
-    try:
-        inputs = core.runner.prepare_inputs(SchedulerOutput([request], [len(token_ids)]))
-        with torch.inference_mode():
-            hidden = core.model(inputs.input_ids, inputs.positions, core.kv_caches, inputs.meta)
-            logits = core.model.compute_logits(hidden[:-1])
-    finally:
-        manager.free(request)
-    return torch.log_softmax(logits.double(), dim=-1)
 
 
 def kl_from_reference(core: EngineCore, reference: torch.Tensor) -> float:

@@ -6,18 +6,14 @@ activations), with headroom; the measured values are noted beside them and in th
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from llmpool import capacity, plan
-from llmpool.engine import SamplingParams
+from llmpool.engine import SamplingParams, scoring
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.models.quantization import Int8Linear, quantize_rows_int8, weight_bytes
-from llmpool.engine.request import Request
-from llmpool.engine.scheduler import SchedulerOutput
 
 pytestmark = pytest.mark.slow
 
@@ -76,19 +72,7 @@ def fp8_kv_engine() -> EngineCore:
 
 def perplexity(core: EngineCore, text: str) -> float:
     """exp(mean NLL) of every next token of ``text``, in one forward through the paged cache."""
-    token_ids = core.tokenizer.encode(text)
-    request = Request("perplexity", token_ids, SamplingParams(max_tokens=1), frozenset())
-    manager = core.kv_cache_manager
-    assert manager.allocate_slots(request, len(token_ids))
-    try:
-        inputs = core.runner.prepare_inputs(SchedulerOutput([request], [len(token_ids)]))
-        with torch.inference_mode():
-            hidden = core.model(inputs.input_ids, inputs.positions, core.kv_caches, inputs.meta)
-            logits = core.model.compute_logits(hidden[:-1])
-        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(token_ids[1:]))
-    finally:
-        manager.free(request)
-    return math.exp(nll.item())
+    return scoring.perplexity(core, core.tokenizer.encode(text))
 
 
 def greedy(core: EngineCore, prompts: list[str]) -> list[list[int]]:

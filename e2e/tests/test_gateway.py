@@ -88,6 +88,15 @@ def set_status(cluster: ClusterHandle, namespace: str, status: dict[str, Any]) -
     )  # fmt: skip
 
 
+def mark_ready(cluster: ClusterHandle, namespace: str, digest: str) -> None:
+    """The status the operator would write for the two ready replicas of ``engines``.
+
+    The pods' /fingerprint digests must equal the pin's, or they would get no traffic."""
+    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "2/2",
+             "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    set_status(cluster, namespace, {"conditions": [ready], "pinnedDigest": digest})
+
+
 @pytest.fixture
 def gateway(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[GatewayProcess]:
     process = GatewayProcess(cluster, namespace, tmp_path / "gateway.log")
@@ -102,10 +111,7 @@ def test_the_gateway_routes_by_endpointslices_and_pool_status(
     gateway: GatewayProcess,
 ) -> None:
     pods, digest = engines
-    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "2/2",
-             "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
-    # The pods' /fingerprint digests must equal the operator's, or they would get no traffic.
-    set_status(cluster, namespace, {"conditions": [ready], "pinnedDigest": digest})
+    mark_ready(cluster, namespace, digest)
     listed = wait_for(
         "the model listed",
         lambda: json.loads(gateway.get("/v1/models")[1])["data"],
@@ -414,9 +420,7 @@ def test_killing_a_replica_mid_load_retries_requests_and_ends_streams(
     gateway: GatewayProcess,
 ) -> None:
     pods, digest = engines
-    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "2/2",
-             "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
-    set_status(cluster, namespace, {"conditions": [ready], "pinnedDigest": digest})
+    mark_ready(cluster, namespace, digest)
     prompts = [f"Tenant {tenant} asks about the weather" for tenant in range(12)]
     wait_for("traffic on both replicas", lambda: len(_round(gateway, prompts)) == 2, 30)
     # No replacement for the killed pod: its engine start would only slow the rest down.
