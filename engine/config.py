@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmpool.engine.cpu_features import NATIVE_BFLOAT16_FLAGS, native_bfloat16_flags
 from llmpool.engine.priority import PRIORITY_CLASSES
 
 _SIZE_UNITS = {
@@ -36,12 +37,49 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class ResolvedDtype:
+    """The dtype the engine runs in, and why: the start-up log and /fingerprint say both."""
+
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def resolve_dtype(dtype: str, device: torch.device, cpuinfo: str | None = None) -> ResolvedDtype:
+    """``auto`` is bfloat16 on CUDA and on CPUs that multiply bfloat16 natively, else float32.
+
+    ``cpuinfo`` is the text of /proc/cpuinfo (default: this machine's). With native bfloat16 a
+    CPU served 1.6-2x the tokens per second of float32 (issue 16); without, torch emulates it
+    and batched steps run 2-3x slower than in float32.
+    """
+    if dtype != "auto":
+        return ResolvedDtype(DTYPES[dtype], "set explicitly")
+    if device.type == "cuda":
+        return ResolvedDtype(torch.bfloat16, "auto: bfloat16 on CUDA")
+    if device.type != "cpu":
+        return ResolvedDtype(torch.float32, f"auto: float32 on {device.type}")
+    flags = native_bfloat16_flags(cpuinfo)
+    if flags:
+        return ResolvedDtype(
+            torch.bfloat16, f"auto: this CPU has native bfloat16 arithmetic ({', '.join(flags)})"
+        )
+    return ResolvedDtype(
+        torch.float32,
+        "auto: this CPU has no native bfloat16 arithmetic"
+        f" (none of {', '.join(NATIVE_BFLOAT16_FLAGS)} in /proc/cpuinfo)",
+    )
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the built-in model
     revision: str | None = None  # pinned content digest; the engine refuses other files
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bfloat16, else float32
     device: str = "auto"
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 128
@@ -57,7 +95,9 @@ class EngineConfig:
     # batch pool can jump ahead of the pool's own class.
     max_request_priority: str | None = None
     quantization: str = "none"  # none | int8 (weight-only, per-output-channel scales)
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3 (per-layer scales, 1.0 today)
+    kv_cache_dtype: str = (
+        "auto"  # auto: the model's dtype; fp8: e4m3 (per-layer scales calibrated at load)
+    )
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
@@ -121,7 +161,6 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+    def resolved_dtype(self, device: torch.device) -> ResolvedDtype:
+        """The dtype to load the model in, and why (the engine asks once, at start)."""
+        return resolve_dtype(self.dtype, device)

@@ -83,7 +83,8 @@ class EngineCore:
             )
         self.eos_token_ids = _eos_token_ids(folder, self.tokenizer)
         self.device = config.torch_device()
-        self.dtype = config.torch_dtype(self.device)
+        self.resolved_dtype = config.resolved_dtype(self.device)
+        self.dtype = self.resolved_dtype.dtype
         self.kv_cache_torch_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
         self.backend = select_backend(
             self.device, config.attention_backend, self.kv_cache_torch_dtype
@@ -125,12 +126,13 @@ class EngineCore:
             priority_floor=config.request_priority_floor,
         )
         logger.info(
-            "engine ready: %s (%s) on %s/%s, backend %s, %d KV blocks of %d tokens (%s tokens), max_model_len %d,"
-            " quantization %s, KV cache %s",
+            "engine ready: %s (%s) on %s/%s (%s), backend %s, %d KV blocks of %d tokens (%s tokens),"
+            " max_model_len %d, quantization %s, KV cache %s",
             self.resolved.source,
             self.shape.num_layers,
             self.device,
-            str(self.dtype).removeprefix("torch."),
+            self.resolved_dtype.name,
+            self.resolved_dtype.reason,
             self.backend.name,
             num_blocks,
             config.block_size,

@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=sorted(capacity.WEIGHT_DTYPE_BYTES),
         default="bfloat16",
-        help="weight dtype (the engine uses bfloat16 on GPUs, float32 on CPU)",
+        help="weight dtype (the engine uses bfloat16 on GPUs and on CPUs with native bfloat16,"
+        " float32 on other CPUs)",
     )
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument(

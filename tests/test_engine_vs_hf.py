@@ -27,7 +27,7 @@ def test_greedy_matches_transformers(
     prompts = [list(ids) for ids in hf_greedy_reference]
     assert len(prompts) >= 8
     assert min(map(len, prompts)) <= 5 and max(map(len, prompts)) > 500
-    llm = LLM(**({"max_model_len": 2048} | config))
+    llm = LLM(**({"max_model_len": 2048, "dtype": "float32"} | config))
     params = SamplingParams(
         temperature=0, max_tokens=reference_new_tokens, min_tokens=reference_new_tokens
     )

@@ -69,7 +69,7 @@ def small_checkpoint(request, builtin_folder: Path, tmp_path_factory) -> Path:
 def test_greedy_matches_transformers(small_checkpoint: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(small_checkpoint), max_model_len=256, block_size=8)
+    llm = LLM(str(small_checkpoint), max_model_len=256, block_size=8, dtype="float32")
     prompts = [
         llm.tokenizer.encode(t) for t in ("Hello there", "One two three four five six seven")
     ]
@@ -89,7 +89,7 @@ def test_bfloat16_loads_and_tracks_float32(small_checkpoint: Path) -> None:
     """bf16 rounds differently from fp32, so only the first tokens are held to agreement."""
     prompt = [[1, 200, 300, 400, 500]]
     params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4)
-    fp32 = LLM(str(small_checkpoint), max_model_len=256).generate(prompt, params)
+    fp32 = LLM(str(small_checkpoint), max_model_len=256, dtype="float32").generate(prompt, params)
     bf16_llm = LLM(str(small_checkpoint), max_model_len=256, dtype="bfloat16")
     assert bf16_llm.engine.kv_caches[0][0].dtype == torch.bfloat16
     bf16 = bf16_llm.generate(prompt, params)

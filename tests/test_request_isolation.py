@@ -19,7 +19,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_model_len=256, num_kv_blocks=64, priority_class="batch")
+    return LLM(max_model_len=256, num_kv_blocks=64, priority_class="batch", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(
         "--served-model-name", "the model name clients use; default: from the source", default=None
     )
-    flags.add("--dtype", "auto, float32, bfloat16 or float16", default="auto")
+    flags.add(
+        "--dtype",
+        "auto, float32, bfloat16 or float16; auto: bfloat16 on CUDA and on CPUs with native"
+        " bfloat16 (avx512_bf16 or amx_bf16 in /proc/cpuinfo), float32 on other CPUs",
+        default="auto",
+    )
     flags.add("--device", "auto, cpu or cuda[:N]", default="auto")
     flags.add("--max-model-len", "context length; default: the model's", type=int, default=None)
     flags.add("--max-num-seqs", "most sequences in one batch", type=int, default=128)

@@ -19,7 +19,7 @@ MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
 SERVER_ARGS = [
     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32", "--kv-cache-memory", "128MiB",
-    "--no-access-log",
+    "--no-access-log", "--dtype", "float32",
 ]  # fmt: skip
 PROMPT = "The capital of France is"
 
@@ -169,7 +169,7 @@ async def test_concurrent_greedy_streams_equal_offline_engine(server) -> None:
         return "".join([chunk.choices[0].text async for chunk in stream])
 
     served = await asyncio.gather(*(stream_text(p) for p in CONCURRENT_PROMPTS))
-    llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory="128MiB")
+    llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory="128MiB", dtype="float32")
     offline = llm.generate(CONCURRENT_PROMPTS, SamplingParams(temperature=0, max_tokens=8))
     assert served == [output.outputs[0].text for output in offline]
 
@@ -235,6 +235,7 @@ def test_fingerprint_matches_the_operator_digest(server) -> None:
     assert observed["weightsDigest"] == model_source.weights_digest(resolved.folder)
     assert observed["tokenizerDigest"] == model_source.tokenizer_digest(resolved.folder)
     assert observed["device"] == "cpu" and observed["dtype"] == "float32"
+    assert observed["dtypeReason"] == "set explicitly"
 
 
 def test_bench_serve_writes_json_markdown_and_plot(server, tmp_path: Path) -> None:
