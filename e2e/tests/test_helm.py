@@ -313,7 +313,7 @@ def test_the_operator_service_account_has_least_privilege(
         # What it needs, in the namespace it serves.
         for verb, resource in [
             ("watch", "llmpools.llmpool.dev"),
-            ("patch", "llmpools.llmpool.dev/status"),
+            ("patch", "llmpools.llmpool.dev"),
             ("patch", "deployments.apps"),
             ("patch", "services"),
             ("get", "configmaps"),
@@ -321,6 +321,7 @@ def test_the_operator_service_account_has_least_privilege(
             ("create", "events"),
         ]:
             assert can_i(cluster, sa, verb, resource, *served), f"cannot {verb} {resource}"
+        assert can_i(cluster, sa, "patch", "llmpools.llmpool.dev", "--subresource=status", *served)
         # Never secrets, never anything it does not manage, never escalation.
         for verb, resource in [
             ("get", "secrets"),
@@ -350,12 +351,18 @@ def test_the_operator_service_account_has_least_privilege(
         elsewhere = can_i(cluster, sa, "watch", "llmpools.llmpool.dev", "-n", "kube-system")
         assert elsewhere == (scope == "clusterwide")
         assert not can_i(cluster, sa, "get", "secrets", "-n", "kube-system")
-        # The gateway only reads pools and their EndpointSlices.
+        # The gateway reads pools and their EndpointSlices, and patches pools only to record
+        # held requests (the demand annotation); never their status.
         gateway = f"{namespace}:{FULLNAME}-gateway"
-        for verb, resource in [("watch", "llmpools.llmpool.dev"), ("list", "endpointslices")]:
-            assert can_i(cluster, gateway, verb, resource, *served), f"cannot {verb} {resource}"
         for verb, resource in [
-            ("patch", "llmpools.llmpool.dev/status"),
+            ("watch", "llmpools.llmpool.dev"),
+            ("patch", "llmpools.llmpool.dev"),
+            ("list", "endpointslices"),
+        ]:
+            assert can_i(cluster, gateway, verb, resource, *served), f"cannot {verb} {resource}"
+        status = ["patch", "llmpools.llmpool.dev", "--subresource=status"]
+        assert not can_i(cluster, gateway, *status, *served), "the gateway can patch pool status"
+        for verb, resource in [
             ("update", "llmpools.llmpool.dev"),
             ("create", "endpointslices"),
             ("get", "secrets"),
