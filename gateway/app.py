@@ -30,12 +30,12 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = "1"
 # Probe an idle upstream connection after 30 s, every 10 s, and give up after 3 misses: a
-# replica gone without a FIN or RST fails its streams within about a minute.
-KEEPALIVE = [
-    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
-    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30),
-    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10),
-    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3),
+# replica gone without a FIN or RST fails its streams within about a minute. (Linux names;
+# elsewhere, e.g. a developer's macOS, the system's keepalive timing applies.)
+KEEPALIVE = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)] + [
+    (socket.IPPROTO_TCP, getattr(socket, option), value)
+    for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+    if hasattr(socket, option)
 ]
 
 
