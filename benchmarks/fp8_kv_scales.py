@@ -30,7 +30,7 @@ from llmpool.engine.models.quantization import (
     KV_CALIBRATION_TEXT,
     fp8_kv_scale,
 )
-from llmpool.engine.scoring import next_token_log_probs
+from llmpool.engine.scoring import next_token_log_probs, rescale_kv
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -112,20 +112,6 @@ def pooled(row: dict, texts: dict[str, list[int]]) -> dict:
     return {"perplexity": math.exp(nll / total), "kl": kl / total}
 
 
-def reparametrize(core: EngineCore, key_factor: float, value_factor: float) -> None:
-    """K times ``key_factor`` and Q divided by it, V times ``value_factor`` and o_proj's input
-    divided by it: the same function (exactly, for powers of two), other K and V magnitudes."""
-    shape = core.shape
-    q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    with torch.no_grad():
-        for layer in core.model.layers:
-            weight = layer.qkv_proj.weight
-            weight[:q_size] /= key_factor
-            weight[q_size : q_size + kv_size] *= key_factor
-            weight[q_size + kv_size :] *= value_factor
-            layer.o_proj.weight /= value_factor
-
-
 def scales_for(
     amax: list[tuple[float, float]], headroom: float, power_of_two: bool
 ) -> list[tuple[float, float]]:
@@ -193,7 +179,7 @@ def main() -> None:
     texts = {name: reference_core.tokenizer.encode(text) for name, text in EVAL_TEXTS.items()}
     rows = run_settings(reference_core, fp8_core, "SmolLM2-135M", texts)
     for core in (reference_core, fp8_core):
-        reparametrize(core, STRESS_KEY_FACTOR, STRESS_VALUE_FACTOR)
+        rescale_kv(core.model, STRESS_KEY_FACTOR, STRESS_VALUE_FACTOR)
     rows += run_settings(
         reference_core,
         fp8_core,

@@ -168,7 +168,7 @@ class EngineCore:
         """The KV-cache dtype as llmpool.capacity names it."""
         if self.config.kv_cache_dtype == "fp8":
             return "fp8"
-        return str(self.dtype).removeprefix("torch.")
+        return self.resolved_dtype.name
 
     def _num_kv_blocks(self) -> int:
         config = self.config

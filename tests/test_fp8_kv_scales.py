@@ -26,7 +26,7 @@ from llmpool.engine.models.quantization import (
     KV_CALIBRATION_TEXT,
     fp8_kv_scale,
 )
-from llmpool.engine.scoring import next_token_log_probs
+from llmpool.engine.scoring import next_token_log_probs, rescale_kv
 from llmpool.engine.server.fingerprint import build_fingerprint
 
 pytestmark = pytest.mark.slow
@@ -78,20 +78,6 @@ def with_unit_scales(core: EngineCore, reference: torch.Tensor) -> float:
         return kl_from_reference(core, reference)
     finally:
         core.model.set_kv_scales(calibrated)
-
-
-def reparametrize(model: LlamaForCausalLM) -> None:
-    """K times STRESS_KEY_FACTOR with Q divided by it, V times STRESS_VALUE_FACTOR with o_proj's
-    input divided by it: powers of two, so the float function is unchanged."""
-    shape = model.shape
-    q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    with torch.no_grad():
-        for layer in model.layers:
-            weight = layer.qkv_proj.weight
-            weight[:q_size] /= STRESS_KEY_FACTOR
-            weight[q_size : q_size + kv_size] *= STRESS_KEY_FACTOR
-            weight[q_size + kv_size :] *= STRESS_VALUE_FACTOR
-            layer.o_proj.weight /= STRESS_VALUE_FACTOR
 
 
 def test_scales_are_calibrated_per_layer_and_deterministic(
@@ -150,7 +136,7 @@ def test_calibration_follows_the_magnitudes_where_unit_scales_fail(
 ) -> None:
     def load_reparametrized(model: LlamaForCausalLM, folder: object) -> None:
         load_weights(model, folder)
-        reparametrize(model)
+        rescale_kv(model, STRESS_KEY_FACTOR, STRESS_VALUE_FACTOR)
 
     load_weights = engine_core.load_weights
     monkeypatch.setattr(engine_core, "load_weights", load_reparametrized)

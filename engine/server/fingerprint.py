@@ -37,7 +37,7 @@ def build_fingerprint(
         "weightsDigest": model_source.weights_digest(folder),
         "tokenizerDigest": model_source.tokenizer_digest(folder),
         "chatTemplateSha256": pinning.chat_template_sha256(chat_template_in_use),
-        "dtype": str(core.dtype).removeprefix("torch."),
+        "dtype": core.resolved_dtype.name,
         # Why: `auto` depends on the node's CPU, so siblings may differ (not part of the pin).
         "dtypeReason": core.resolved_dtype.reason,
         "kvDtype": core.kv_dtype_name,
