@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from controlplane.cluster import Cluster  # noqa: E402
-from harness import ClusterHandle, wait_for  # noqa: E402
+from harness import IMAGE, ClusterHandle, wait_for  # noqa: E402
 
 LOG_TAIL_LINES = 40
 
@@ -44,10 +44,13 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterHandle]:
     reused = control_plane.running()
     try:
         control_plane.up()
+        if control_plane.node() == "containerd":
+            control_plane.load(IMAGE)
     except Exception:
         _report_logs(request, control_plane, "the cluster did not start")
         raise
-    env = {**os.environ, **control_plane.env()}
+    # Operators started by the tests give pools the project's image, which the node has.
+    env = {**os.environ, **control_plane.env(), "LLMPOOL_ENGINE_IMAGE": IMAGE}
     yield ClusterHandle(control_plane.kubeconfig, env, control_plane.logs_dir)
     if request.session.testsfailed:
         _report_logs(request, control_plane, "tests failed")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -18,6 +19,10 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+
+# The project's image, which engine, operator and client pods run: built by
+# scripts/build-image.sh and loaded into the node (`e2e/cluster load`) by the session fixture.
+IMAGE = os.environ.get("LLMPOOL_IMAGE", "ghcr.io/llmpool/llmpool:0.1.0")
 
 
 @dataclass(frozen=True)

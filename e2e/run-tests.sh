@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# CI entry point of the e2e stage: build the control plane (or take it from the cache),
-# then run the e2e tests against a freshly started cluster. Exits non-zero on failure.
+# CI entry point of the e2e stage: build the cluster's binaries (or take them from the cache)
+# and the project's image, then run the e2e tests against a freshly started cluster. Exits
+# non-zero on failure.
 # Extra arguments go to pytest.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -15,5 +16,11 @@ cd "$root"
 started=$(date +%s)
 "$here/cluster" build
 echo "e2e: binaries ready after $(( $(date +%s) - started ))s"
+if [[ "${LLMPOOL_E2E_NODE:-local}" == containerd ]]; then
+  # The pods run the project's image: build it (only the changed layers), then the session
+  # fixture loads it into the node unless the node has that very image.
+  bash "$root/scripts/build-image.sh"
+  echo "e2e: image ready after $(( $(date +%s) - started ))s"
+fi
 "$python" -m pytest e2e -m e2e "$@"
 echo "e2e: stage took $(( $(date +%s) - started ))s"

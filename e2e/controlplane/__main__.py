@@ -1,4 +1,4 @@
-"""``e2e/cluster`` subcommands: build, up, env, status, down."""
+"""``e2e/cluster`` subcommands: build, up, env, status, down, load."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def main() -> int:
     )
     sub.add_parser("status", help="show which components run; exit 1 unless all are up")
     sub.add_parser("down", help="stop everything and remove the state (logs are kept)")
+    load = sub.add_parser(
+        "load", help="import an image from Docker into the node (as `kind load docker-image`)"
+    )
+    load.add_argument("image", help="e.g. ghcr.io/llmpool/llmpool:0.1.0")
     args = parser.parse_args()
     cluster = Cluster()
 
@@ -46,6 +50,8 @@ def main() -> int:
             return 0 if ready else 1
         elif args.command == "down":
             cluster.down()
+        elif args.command == "load":
+            cluster.load(args.image)
     except (build.BuildError, RuntimeError, TimeoutError) as err:
         print(f"e2e/cluster {args.command}: {err}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""Build etcd, the Kubernetes control-plane binaries and helm from the Go module proxy.
+"""Build etcd, the Kubernetes binaries, CoreDNS, crictl, pause and helm from the Go module proxy.
 
 Each component is built from a small generated wrapper module under
 ``<cache>/src/<component>-<version>/`` and installed into ``<cache>/bin/<component>-<version>/``.
@@ -27,7 +27,16 @@ from pathlib import Path
 from . import versions
 from .locking import locked
 
-KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+KUBE_COMMANDS = (
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubelet",
+    "kube-proxy",
+)
+# CoreDNS with only the plugins the cluster's Corefile uses (in CoreDNS's own plugin order):
+# the full plugin set pulls in every cloud SDK and doubles the build.
+COREDNS_PLUGINS = ("ready", "health", "errors", "cache", "kubernetes", "forward")
 
 
 class BuildError(RuntimeError):
@@ -42,6 +51,11 @@ class Binaries:
     kube_apiserver: Path
     kube_controller_manager: Path
     kube_scheduler: Path
+    kubelet: Path
+    kube_proxy: Path
+    coredns: Path
+    crictl: Path
+    pause: Path
     helm: Path
 
 
@@ -115,6 +129,7 @@ def bin_dirs() -> list[Path]:
         _bin_dir("kubernetes", versions.KUBERNETES),
         _bin_dir("etcd", versions.ETCD),
         _bin_dir("helm", versions.HELM),
+        _bin_dir("cri-tools", versions.CRI_TOOLS),
     ]
 
 
@@ -122,8 +137,9 @@ def _src_dir(component: str, version: str) -> Path:
     return versions.cache_dir() / "src" / f"{component}-{version}"
 
 
-def _is_built(out: Path) -> bool:
-    return (out / ".complete").exists()
+def _is_built(out: Path, *binaries: str) -> bool:
+    """Finished, and (for a component that gained binaries since) holding each of them."""
+    return (out / ".complete").exists() and all((out / name).exists() for name in binaries)
 
 
 def _finish(out: Path) -> None:
@@ -132,7 +148,7 @@ def _finish(out: Path) -> None:
 
 def build_kubernetes(version: str = versions.KUBERNETES) -> Path:
     out = _bin_dir("kubernetes", version)
-    if _is_built(out):
+    if _is_built(out, *KUBE_COMMANDS):
         return out
     src = _src_dir("kubernetes", version)
     major, minor, patch = version.lstrip("v").split(".")
@@ -168,52 +184,124 @@ def build_kubernetes(version: str = versions.KUBERNETES) -> Path:
 
 
 def build_etcd(version: str = versions.ETCD) -> Path:
-    out = _bin_dir("etcd", version)
-    if _is_built(out):
-        return out
-    src = _src_dir("etcd", version)
-    _write(
-        src / "go.mod",
-        f"module llmpool.local/e2e/etcd\n\ngo 1.23.0\n\nrequire go.etcd.io/etcd/server/v3 {version}\n",
-    )
-    _write(
-        src / "main.go",
+    main_go = (
         "// Command etcd runs the etcd server from go.etcd.io/etcd/server/v3.\n"
         'package main\n\nimport (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\n'
-        "func main() { etcdmain.Main(os.Args) }\n",
+        "func main() { etcdmain.Main(os.Args) }\n"
     )
-    _download(src, f"etcd {version}")
+    return _build_main("etcd", version, f"go.etcd.io/etcd/server/v3 {version}", main_go, "etcd")
+
+
+def _build_command(
+    component: str, version: str, module: str, cmd: str, binary: str, ldflags: str
+) -> Path:
+    """Build the command at ``module/cmd`` (a main package of a required module)."""
+    out = _bin_dir(component, version)
+    if _is_built(out, binary):
+        return out
+    src = _src_dir(component, version)
+    package = f"{module}/{cmd}"
+    _write(
+        src / "go.mod",
+        f"module llmpool.local/e2e/{component}\n\ngo 1.23.0\n\nrequire {module} {version}\n",
+    )
+    _write(src / "tools.go", _tools_go([package]))
+    _download(src, f"{component} {version}")
     out.mkdir(parents=True, exist_ok=True)
     _go(
-        ["build", "-trimpath", "-ldflags", "-s -w", "-o", str(out / "etcd"), "."],
+        ["build", "-trimpath", "-ldflags", ldflags, "-o", str(out / binary), package],
         src,
-        "compile etcd",
+        f"compile {binary}",
     )
     _finish(out)
     return out
 
 
 def build_helm(version: str = versions.HELM) -> Path:
-    out = _bin_dir("helm", version)
-    if _is_built(out):
-        return out
-    src = _src_dir("helm", version)
-    cmd = "helm.sh/helm/v3/cmd/helm"
-    _write(
-        src / "go.mod",
-        f"module llmpool.local/e2e/helm\n\ngo 1.23.0\n\nrequire helm.sh/helm/v3 {version}\n",
-    )
-    _write(src / "tools.go", _tools_go([cmd]))
-    _download(src, f"helm {version}")
     ldflags = f"-s -w -X helm.sh/helm/v3/internal/version.version={version}"
+    return _build_command("helm", version, "helm.sh/helm/v3", "cmd/helm", "helm", ldflags)
+
+
+def _build_main(
+    component: str, version: str, require: str, main_go: str, binary: str, ldflags: str = "-s -w"
+) -> Path:
+    """Build one command from a generated ``main.go`` in a module that requires ``require``."""
+    out = _bin_dir(component, version)
+    if _is_built(out, binary):
+        return out
+    src = _src_dir(component, version)
+    module = f"module llmpool.local/e2e/{component}\n\ngo 1.23.0\n"
+    _write(src / "go.mod", module + (f"\nrequire {require}\n" if require else ""))
+    _write(src / "main.go", main_go)
+    _download(src, f"{component} {version}")
     out.mkdir(parents=True, exist_ok=True)
     _go(
-        ["build", "-trimpath", "-ldflags", ldflags, "-o", str(out / "helm"), cmd],
+        ["build", "-trimpath", "-ldflags", ldflags, "-o", str(out / binary), "."],
         src,
-        "compile helm",
+        f"compile {binary}",
     )
     _finish(out)
     return out
+
+
+def build_coredns(version: str = versions.COREDNS) -> Path:
+    imports = "\n".join(f'\t_ "github.com/coredns/coredns/plugin/{p}"' for p in COREDNS_PLUGINS)
+    directives = ", ".join(f'"{p}"' for p in COREDNS_PLUGINS)
+    main_go = (
+        "// Command coredns is CoreDNS with the plugins the e2e cluster's Corefile uses.\n"
+        "package main\n\nimport (\n"
+        '\t"github.com/coredns/coredns/core/dnsserver"\n'
+        '\t"github.com/coredns/coredns/coremain"\n'
+        f"{imports}\n)\n\n"
+        f"func init() {{ dnsserver.Directives = []string{{{directives}}} }}\n\n"
+        "func main() { coremain.Run() }\n"
+    )
+    return _build_main(
+        "coredns", version, f"github.com/coredns/coredns {version}", main_go, "coredns"
+    )
+
+
+def build_crictl(version: str = versions.CRI_TOOLS) -> Path:
+    ldflags = f"-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version={version}"
+    return _build_command(
+        "cri-tools", version, "sigs.k8s.io/cri-tools", "cmd/crictl", "crictl", ldflags
+    )
+
+
+PAUSE_GO = """// Command pause holds a pod's namespaces open: it sleeps until SIGINT or SIGTERM and reaps
+// the zombies that end up with it (it is PID 1 of the pod when the PID namespace is shared).
+package main
+
+import (
+\t"os"
+\t"os/signal"
+\t"syscall"
+)
+
+func main() {
+\tstop := make(chan os.Signal, 1)
+\tsignal.Notify(stop, syscall.SIGINT, syscall.SIGTERM)
+\tchildren := make(chan os.Signal, 1)
+\tsignal.Notify(children, syscall.SIGCHLD)
+\tfor {
+\t\tselect {
+\t\tcase <-stop:
+\t\t\treturn
+\t\tcase <-children:
+\t\t\tfor {
+\t\t\t\tvar status syscall.WaitStatus
+\t\t\t\tif pid, err := syscall.Wait4(-1, &status, syscall.WNOHANG, nil); pid <= 0 || err != nil {
+\t\t\t\t\tbreak
+\t\t\t\t}
+\t\t\t}
+\t\t}
+\t}
+}
+"""
+
+
+def build_pause(tag: str = versions.PAUSE_TAG) -> Path:
+    return _build_main("pause", tag, "", PAUSE_GO, "pause")
 
 
 def ensure_binaries() -> Binaries:
@@ -222,6 +310,9 @@ def ensure_binaries() -> Binaries:
     with locked(versions.cache_dir() / ".lock"):
         etcd = build_etcd()
         kube = build_kubernetes()
+        coredns = build_coredns()
+        crictl = build_crictl()
+        pause = build_pause()
         helm = build_helm()
     _log(f"binaries ready in {time.monotonic() - started:.0f}s under {versions.cache_dir()}")
     return Binaries(
@@ -229,5 +320,10 @@ def ensure_binaries() -> Binaries:
         kube_apiserver=kube / "kube-apiserver",
         kube_controller_manager=kube / "kube-controller-manager",
         kube_scheduler=kube / "kube-scheduler",
+        kubelet=kube / "kubelet",
+        kube_proxy=kube / "kube-proxy",
+        coredns=coredns / "coredns",
+        crictl=crictl / "crictl",
+        pause=pause / "pause",
         helm=helm / "helm",
     )

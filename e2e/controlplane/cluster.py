@@ -1,5 +1,9 @@
-"""The e2e cluster: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the
-local kubelet, all on one machine, state in one directory.
+"""The e2e cluster: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and one
+node, all on one machine, state in one directory.
+
+The node is containerd, the kubelet and kube-proxy, with CoreDNS as an add-on
+(``LLMPOOL_E2E_NODE=containerd``), or the local kubelet of ``e2e/kubelet`` that runs pods as
+processes (``local``, the default while the suite moves over).
 
 ``Cluster.up`` is idempotent: a cluster whose daemons are all alive is reused as is.
 """
@@ -11,6 +15,7 @@ import os
 import shutil
 import socket
 import ssl
+import subprocess
 import sys
 import time
 import urllib.error
@@ -19,19 +24,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kubelet import network
+import yaml
+from kubelet import network as local_network
 
-from . import build, certs, processes, topology, versions
+from . import addons, build, certs, images, network, node, processes, runtime, topology, versions
 from .locking import locked
 
 E2E_DIR = Path(__file__).resolve().parent.parent
-# Stop order matters: the kubelet terminates its pods while the apiserver is still up.
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet")
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+# Stop order matters (the reverse): the node goes first, while the apiserver is still up.
+NODE_COMPONENTS = {
+    "local": ("kubelet",),
+    "containerd": ("containerd", "kubelet", "kube-proxy"),
+}
 LOCK_NAME = ".lock"
 
 
 def default_state_dir() -> Path:
     return Path(os.environ.get("LLMPOOL_E2E_STATE", E2E_DIR / ".state"))
+
+
+def node_kind() -> str:
+    kind = os.environ.get("LLMPOOL_E2E_NODE", "local")
+    if kind not in NODE_COMPONENTS:
+        raise RuntimeError(f"LLMPOOL_E2E_NODE must be one of {', '.join(NODE_COMPONENTS)}")
+    return kind
 
 
 def _free_port() -> int:
@@ -51,6 +68,7 @@ class Record:
     ports: dict[str, int] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
     version: str = versions.KUBERNETES
+    node: str = "local"
 
     @classmethod
     def load(cls, path: Path) -> Record | None:
@@ -71,16 +89,30 @@ class Cluster:
         self.pki = certs.Pki(self.state_dir / "pki")
         self.logs_dir = self.state_dir / "logs"
         self.kubeconfig = self.state_dir / "kubeconfig"
+        self.containerd_socket = self.state_dir / "containerd.sock"
         self._record_path = self.state_dir / "cluster.json"
 
     # ----------------------------------------------------------------- queries
     def record(self) -> Record | None:
         return Record.load(self._record_path)
 
+    def node(self) -> str:
+        """The node kind of the recorded cluster, else the one ``up`` would start."""
+        rec = self.record()
+        return rec.node if rec else node_kind()
+
+    def components(self) -> tuple[str, ...]:
+        return (*CONTROL_PLANE, *NODE_COMPONENTS[self.node()])
+
     def component_status(self) -> dict[str, bool]:
         rec = self.record()
         pids = rec.pids if rec else {}
-        return {c: c in pids and processes.alive(pids[c]) for c in COMPONENTS}
+        return {c: c in pids and processes.alive(pids[c]) for c in self.components()}
+
+    def runtime(self) -> runtime.Clients:
+        """ctr and crictl against this cluster's containerd."""
+        crictl = build.bin_dirs()[-1] / "crictl"
+        return runtime.Clients(self.containerd_socket, crictl)
 
     def running(self) -> bool:
         status = self.component_status()
@@ -106,7 +138,7 @@ class Cluster:
         """Start the cluster, or reuse it if it runs; concurrent callers wait for each other."""
         binaries = build.ensure_binaries()
         with locked(self.state_dir / LOCK_NAME):
-            if self.running():
+            if self.running() and self.node() == node_kind():
                 _log(f"reusing the running cluster in {self.state_dir}")
                 return
             self._stop(quiet=True)
@@ -116,15 +148,14 @@ class Cluster:
         started = time.monotonic()
         shutil.rmtree(self.logs_dir, ignore_errors=True)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        rec = Record(
-            ports={
-                name: _free_port()
-                for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
-            },
-        )
+        ports = ["etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler"]
+        ports += ["kubelet", "kube-proxy-healthz", "kube-proxy-metrics"]
+        rec = Record(ports={name: _free_port() for name in ports}, node=node_kind())
         self._make_credentials(rec)
         _log(f"credentials ready ({time.monotonic() - started:.1f}s)")
         deadline = time.monotonic() + timeout
+        if rec.node == "containerd":
+            network.prepare_host()
         rec.pids["etcd"] = self._spawn("etcd", self._etcd_argv(binaries, rec))
         rec.save(self._record_path)
         self._wait(
@@ -141,7 +172,10 @@ class Cluster:
         rec.pids["kube-scheduler"] = self._spawn(
             "kube-scheduler", self._scheduler_argv(binaries, rec)
         )
-        rec.pids["kubelet"] = self._spawn("kubelet", self._kubelet_argv(rec), cwd=E2E_DIR)
+        if rec.node == "containerd":
+            self._start_node(binaries, rec, deadline)
+        else:
+            rec.pids["kubelet"] = self._spawn("kubelet", self._kubelet_argv(rec), cwd=E2E_DIR)
         rec.save(self._record_path)
         for name, port in (
             ("kube-controller-manager", rec.ports["controller-manager"]),
@@ -151,6 +185,9 @@ class Cluster:
                 name, lambda p=port: self._http_ok(f"https://127.0.0.1:{p}/healthz"), deadline
             )
         self._wait("node Ready", self._node_ready, deadline)
+        if rec.node == "containerd":
+            self._apply(addons.coredns(runtime.COREDNS_IMAGE))
+            self._wait("CoreDNS", self._dns_ready, deadline)
         self._wait(
             "default service account",
             lambda: self._api_ok("/api/v1/namespaces/default/serviceaccounts/default"),
@@ -187,6 +224,7 @@ class Cluster:
             "controller-manager": ("system:kube-controller-manager", None),
             "scheduler": ("system:kube-scheduler", None),
             "kubelet": (f"system:node:{topology.NODE_NAME}", "system:nodes"),
+            "kube-proxy": ("system:kube-proxy", None),
         }
         for name, (cn, org) in clients.items():
             certs.issue(pki, name, cn, org)
@@ -216,12 +254,14 @@ class Cluster:
 
     def _apiserver_argv(self, b: build.Binaries, rec: Record) -> list[str]:
         pki = self.pki
+        # Pods reach the apiserver at the bridge's address: the real node routes them to the
+        # host (so it listens there too); the local kubelet relays them to 127.0.0.1.
+        bind = "0.0.0.0" if rec.node == "containerd" else "127.0.0.1"
         return [
             str(b.kube_apiserver),
-            "--bind-address=127.0.0.1",
+            f"--bind-address={bind}",
             f"--secure-port={rec.ports['apiserver']}",
-            # What the `kubernetes` Service endpoints say: the kubelet's relay on the pod
-            # network gateway, the address from which pods reach the apiserver.
+            # What the `kubernetes` Service endpoints say: the pod network gateway.
             f"--advertise-address={topology.POD_GATEWAY}",
             f"--etcd-servers=http://127.0.0.1:{rec.ports['etcd']}",
             f"--service-cluster-ip-range={topology.SERVICE_CIDR}",
@@ -267,6 +307,87 @@ class Cluster:
 
     def _scheduler_argv(self, b: build.Binaries, rec: Record) -> list[str]:
         return self._component_argv(b.kube_scheduler, "scheduler", rec.ports["scheduler"])
+
+    def _start_node(self, b: build.Binaries, rec: Record, deadline: float) -> None:
+        """containerd (with the pause and CoreDNS images), the kubelet and kube-proxy."""
+        state = self.state_dir
+        network.write_cni_config(state / "cni" / "net.d", state / "cni" / "ipam")
+        config = state / "containerd.toml"
+        config.write_text(runtime.config(state, self.containerd_socket))
+        containerd = [runtime.containerd_binary(), f"--config={config}"]
+        rec.pids["containerd"] = self._spawn("containerd", containerd)
+        rec.save(self._record_path)
+        clients = self.runtime()
+        self._wait("containerd", clients.ready, deadline)
+        self._load_node_images(b, clients)
+        kubelet_config = node.write_yaml(
+            state / "kubelet-config.yaml",
+            node.kubelet_config(
+                self.pki, self.containerd_socket, rec.ports["kubelet"], self.logs_dir / "pods"
+            ),
+        )
+        rec.pids["kubelet"] = self._spawn(
+            "kubelet",
+            node.kubelet_argv(
+                b.kubelet, kubelet_config, state / "kubelet.kubeconfig", state / "kubelet"
+            ),
+        )
+        proxy_config = node.write_yaml(
+            state / "kube-proxy-config.yaml",
+            node.kube_proxy_config(
+                state / "kube-proxy.kubeconfig",
+                rec.ports["kube-proxy-healthz"],
+                rec.ports["kube-proxy-metrics"],
+            ),
+        )
+        rec.pids["kube-proxy"] = self._spawn(
+            "kube-proxy", node.kube_proxy_argv(b.kube_proxy, proxy_config)
+        )
+
+    def _load_node_images(self, b: build.Binaries, clients: runtime.Clients) -> None:
+        """Import the pause and CoreDNS images, made here from their binaries, when missing."""
+        present = clients.images()
+        for image in (
+            images.ScratchImage(runtime.PAUSE_IMAGE, b.pause, "/pause"),
+            images.ScratchImage(
+                runtime.COREDNS_IMAGE, b.coredns, "/coredns", user="0:0", exposed=("53/udp",)
+            ),
+        ):
+            if image.name not in present:
+                archive = images.write_oci_archive(image, self.state_dir / "images" / "image.tar")
+                clients.import_archive(archive)
+                archive.unlink()
+                _log(f"imported {image.name}")
+
+    def load(self, image: str) -> None:
+        """Import ``image`` from Docker into the node, unless the node has that very image."""
+        if self.node() != "containerd" or not self.runtime().ready():
+            raise RuntimeError("`load` needs a running cluster with the containerd node")
+        clients = self.runtime()
+        docker_id = images.docker_image_id(image)
+        if clients.image_config_digest(image) == docker_id:
+            _log(f"{image} is loaded already ({docker_id})")
+            return
+        started = time.monotonic()
+        clients.import_from_docker(image)
+        _log(f"loaded {image} into the node in {time.monotonic() - started:.0f}s")
+
+    def _apply(self, manifests: list[dict[str, object]]) -> None:
+        proc = subprocess.run(
+            ["kubectl", "apply", "-f", "-"],
+            input=yaml.safe_dump_all(manifests),
+            env={**os.environ, **self.env()},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"kubectl apply of the add-ons failed: {proc.stderr.strip()}")
+
+    def _dns_ready(self) -> bool:
+        path = f"/apis/apps/v1/namespaces/{addons.NAMESPACE}/deployments/coredns"
+        status = (self.api_get(path) or {}).get("status", {})
+        return bool(status.get("readyReplicas"))
 
     def _kubelet_argv(self, rec: Record) -> list[str]:
         return [
@@ -353,15 +474,29 @@ class Cluster:
     def _stop(self, quiet: bool) -> None:
         rec = self.record()
         if rec is not None:
-            for name in reversed(COMPONENTS):
-                if name in rec.pids:
-                    processes.stop(rec.pids[name], grace=45.0 if name == "kubelet" else 10.0)
-                    if not quiet:
-                        _log(f"stopped {name}")
-        network.remove_all()  # the kubelet cleans up after itself; this is the safety net
+            for name in reversed(self.components()):
+                if name not in rec.pids:
+                    continue
+                if name == "containerd" and processes.alive(rec.pids[name]):
+                    self.runtime().remove_pods()  # sandboxes, containers and their networks
+                grace = 45.0 if name == "kubelet" and rec.node == "local" else 10.0
+                processes.stop(rec.pids[name], grace=grace)
+                if not quiet:
+                    _log(f"stopped {name}")
+            if rec.node == "containerd":
+                self._cleanup_proxy_rules()
+        local_network.remove_all()  # the local kubelet cleans up after itself; a safety net
+        network.remove()
+        processes.unmount_under(self.state_dir)  # pod volumes, which the kubelet leaves mounted
         for entry in self.state_dir.glob("*") if self.state_dir.exists() else []:
             if entry not in (self.logs_dir, self.state_dir / LOCK_NAME):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+    def _cleanup_proxy_rules(self) -> None:
+        """kube-proxy's own clean-up of the iptables chains it made."""
+        proxy = build.bin_dirs()[0] / "kube-proxy"
+        if proxy.exists():
+            subprocess.run([str(proxy), "--cleanup"], capture_output=True, check=False)
 
     def save_logs(self, dest: Path) -> Path:
         """Copy the daemons' and pods' logs to ``dest`` (kept when a test run fails)."""

@@ -55,3 +55,14 @@ def stop(pid: int, grace: float) -> None:
             if not alive(pid):
                 return
             time.sleep(0.1)
+
+
+def unmount_under(root: Path) -> None:
+    """Lazily unmount every mount point below ``root``, the deepest first."""
+    prefix = f"{root.resolve()}/"
+    mounts = [
+        line.split()[1].encode().decode("unicode_escape")
+        for line in Path("/proc/self/mounts").read_text().splitlines()
+    ]
+    for target in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "--lazy", target], capture_output=True, check=False)

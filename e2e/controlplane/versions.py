@@ -13,6 +13,11 @@ from pathlib import Path
 KUBERNETES = "v1.32.2"
 ETCD = "v3.5.21"
 HELM = "v3.17.4"
+# The node: CoreDNS as Kubernetes v1.32 ships it (kubeadm's default), crictl for the runtime,
+# and the pause image tag the kubelet of v1.32 expects.
+COREDNS = "v1.11.3"
+CRI_TOOLS = "v1.37.0"
+PAUSE_TAG = "3.10"
 
 
 def cache_dir() -> Path:

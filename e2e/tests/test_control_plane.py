@@ -23,7 +23,9 @@ def test_node_is_ready(cluster: ClusterHandle) -> None:
     node = cluster.get("node", "e2e-node")
     ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}
     assert ready["Ready"] == "True"
-    assert node["status"]["nodeInfo"]["kubeletVersion"] == versions.KUBERNETES
+    info = node["status"]["nodeInfo"]
+    assert info["kubeletVersion"] == versions.KUBERNETES
+    assert info["containerRuntimeVersion"].startswith("containerd://"), info
 
 
 def test_helm_version(cluster: ClusterHandle) -> None:

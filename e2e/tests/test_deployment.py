@@ -6,7 +6,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from harness import ClusterHandle, pod_ready, wait_for
+from harness import IMAGE, ClusterHandle, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -16,7 +16,7 @@ LABELS = {"app": "web"}
 def deployment(replicas: int) -> dict[str, Any]:
     container = {
         "name": "web",
-        "image": "python:3",
+        "image": IMAGE,
         # Every pod has its own network namespace, so all of them can bind 0.0.0.0:8080.
         "command": ["python3", "-m", "http.server", "8080", "--bind", "0.0.0.0"],
         "workingDir": "/tmp",

@@ -21,7 +21,14 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from harness import ClusterHandle, GatewayProcess, OperatorProcess, pod_ready, wait_for
+from harness import (
+    IMAGE,
+    ClusterHandle,
+    GatewayProcess,
+    OperatorProcess,
+    pod_ready,
+    wait_for,
+)
 
 from llmpool import pinning
 from llmpool.gateway import routing
@@ -34,9 +41,9 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 POOL = "smollm2-chat"
 MODEL = "smollm2"
-# The operator's default engine image (as in test_helm.py): an `llmpool operator -A` that
-# another test runs on the shared cluster renders the same Deployment and rolls no pod.
-IMAGE = "llmpool:latest"
+# IMAGE, the engine image every operator of the suite gives pools (LLMPOOL_ENGINE_IMAGE): an
+# `llmpool operator -A` that another test runs on the shared cluster renders the same
+# Deployment and rolls no pod.
 ENGINE_START_SECONDS = 600  # first start converts the built-in GGUF model
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import ClusterHandle, pod_ready, wait_for
+from harness import IMAGE, ClusterHandle, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -36,10 +36,11 @@ INSTANCE_LABEL = f"app.kubernetes.io/instance={RELEASE}"
 POOL_LABEL = "llmpool.dev/pool"
 HELM_TIMEOUT_SECONDS = 300
 ENGINE_START_SECONDS = 600  # two engines loading the model at once on a busy machine
-# The engine image the operator gives pools without spec.image. It is the operator's own
-# default, so that an `llmpool operator -A` started by another test on a shared cluster (see
-# test_operator.py) renders the same Deployments and the two never roll each other's pods.
-ENGINE_IMAGE = "llmpool:latest"
+# The engine image the operator gives pools without spec.image: the one every operator of the
+# suite gives them (LLMPOOL_ENGINE_IMAGE), so that an `llmpool operator -A` started by another
+# test on a shared cluster (see test_operator.py) renders the same Deployments and the two never
+# roll each other's pods.
+ENGINE_IMAGE = IMAGE
 
 # The examples as written, made cheap for one busy machine: one replica each and small KV
 # caches. Each still has its own maxModelLen and priorityClass.

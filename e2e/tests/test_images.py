@@ -1,10 +1,10 @@
-"""The project's image maps to the installed `llmpool` console script; other images
-need a command."""
+"""Images on the node: the project's image, loaded into containerd, runs its ENTRYPOINT; the
+node pulls nothing (no registry is reachable), so an image it lacks is never run."""
 
 from __future__ import annotations
 
 import pytest
-from harness import ClusterHandle, container_status, phase
+from harness import IMAGE, ClusterHandle, container_status, phase
 
 pytestmark = pytest.mark.e2e
 
@@ -18,8 +18,8 @@ def single_container_pod(name: str, container: dict[str, object]) -> dict[str, o
     }
 
 
-def test_llmpool_image_runs_the_console_script(cluster: ClusterHandle, namespace: str) -> None:
-    container = {"image": "ghcr.io/example/llmpool:dev", "args": ["--help"]}
+def test_the_project_image_runs_its_entrypoint(cluster: ClusterHandle, namespace: str) -> None:
+    container = {"image": IMAGE, "imagePullPolicy": "Never", "args": ["--help"]}
     cluster.apply(single_container_pod("cli", container), namespace=namespace)
     current = cluster.wait_finished(namespace, "cli", timeout=120)
     logs = cluster.kubectl("logs", "cli", "-n", namespace)
@@ -27,14 +27,15 @@ def test_llmpool_image_runs_the_console_script(cluster: ClusterHandle, namespace
     assert "usage: llmpool" in logs
 
 
-def test_other_images_need_a_command(cluster: ClusterHandle, namespace: str) -> None:
-    cluster.apply(single_container_pod("nocmd", {"image": "nginx"}), namespace=namespace)
+def test_an_image_the_node_lacks_is_not_run(cluster: ClusterHandle, namespace: str) -> None:
+    container = {"image": "ghcr.io/example/absent:dev", "imagePullPolicy": "Never"}
+    cluster.apply(single_container_pod("absent", container), namespace=namespace)
     cluster.wait_pod(
         namespace,
-        "nocmd",
-        "to report a config error",
+        "absent",
+        "to report the missing image",
         lambda p: (
             container_status(p).get("state", {}).get("waiting", {}).get("reason")
-            == "CreateContainerConfigError"
+            == "ErrImageNeverPull"
         ),
     )

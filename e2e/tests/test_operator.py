@@ -116,7 +116,7 @@ def owned_by(obj: dict[str, Any], owner_uid: str) -> bool:
 
 
 BAD_SPECS = {
-    "bad enum": ({"quantization": "int4"}, 'Unsupported value: "int4"'),
+    "bad enum": ({"quantization": "int3"}, 'Unsupported value: "int3"'),
     "maxModelLen above the model's context": ({"maxModelLen": 16384}, "at most 8192"),
     "missing revision": (
         {"model": {"source": "builtin://smollm2-135m-instruct"}},

@@ -1,14 +1,13 @@
-"""Pod semantics of the local kubelet: probes, restarts, environment, volumes,
-in-cluster API access, pod-to-pod traffic and graceful termination."""
+"""Pod semantics on the node, in pods of the project's image: probes, restarts, environment,
+volumes, in-cluster API access, pod-to-pod traffic and graceful termination."""
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
 import pytest
-from harness import ClusterHandle, container_status, phase, pod_ready
+from harness import IMAGE, ClusterHandle, container_status, phase, pod_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -18,7 +17,7 @@ HTTP_SERVER = ["python3", "-m", "http.server", "8080"]
 def pod(
     name: str, command: list[str], container: dict[str, Any] | None = None, **spec: Any
 ) -> dict[str, Any]:
-    main = {"name": "main", "image": "busybox", "command": command, **(container or {})}
+    main = {"name": "main", "image": IMAGE, "command": command, **(container or {})}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -135,7 +134,7 @@ def test_in_cluster_config_reaches_the_apiserver(cluster: ClusterHandle, namespa
         "print('version', client.VersionApi().get_code().git_version)"
     )
     cluster.apply(
-        pod("incluster", [sys.executable, "-c", code], restartPolicy="Never"), namespace=namespace
+        pod("incluster", ["python3", "-c", code], restartPolicy="Never"), namespace=namespace
     )
     current = cluster.wait_finished(namespace, "incluster")
     logs = cluster.kubectl("logs", "incluster", "-n", namespace)
@@ -173,9 +172,9 @@ def test_termination_waits_out_the_grace_period(cluster: ClusterHandle, namespac
 
 
 def test_sigterm_ends_a_cooperative_pod_promptly(cluster: ClusterHandle, namespace: str) -> None:
-    cluster.apply(
-        pod("polite", ["sleep", "1000"], terminationGracePeriodSeconds=30), namespace=namespace
-    )
+    # PID 1 of a container gets no default signal handlers: a cooperative process sets one.
+    polite = ["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.2; done"]
+    cluster.apply(pod("polite", polite, terminationGracePeriodSeconds=30), namespace=namespace)
     assert _deletion_seconds(cluster, namespace, "polite") < 10
 
 
