@@ -14,6 +14,17 @@ export LLMPOOL_E2E_PYTHON="$python"
 cd "$root"
 
 started=$(date +%s)
+# The node's runtime and network plugins come from Debian's packages: install what is missing.
+missing=()
+command -v containerd >/dev/null || missing+=(containerd)
+command -v runc >/dev/null || missing+=(runc)
+command -v iptables >/dev/null || missing+=(iptables)
+[[ -x /usr/lib/cni/bridge || -x /opt/cni/bin/bridge ]] || missing+=(containernetworking-plugins)
+if (( ${#missing[@]} )); then
+  echo "e2e: installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
 "$here/cluster" build
 echo "e2e: binaries ready after $(( $(date +%s) - started ))s"
 if [[ "${LLMPOOL_E2E_NODE:-local}" == containerd ]]; then

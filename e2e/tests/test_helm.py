@@ -1,7 +1,7 @@
 """The Helm chart on the real control plane: install, serve both example pools, upgrade, uninstall.
 
-The operator runs as a pod (the local kubelet maps the chart's image to the `llmpool` console
-script) under the chart's ServiceAccount and RBAC, so these tests are also the proof that the
+The operator runs as a pod of the project's image under the chart's ServiceAccount, RBAC and
+securityContext, so these tests are also the proof that the
 rules of operator/rbac.py are enough for it, and `kubectl auth can-i` that they are no more.
 Each installed operator watches only its test's namespace, so it never touches the pools of
 other tests (or of another operator running on the same cluster).
@@ -42,12 +42,13 @@ ENGINE_START_SECONDS = 600  # two engines loading the model at once on a busy ma
 # roll each other's pods.
 ENGINE_IMAGE = IMAGE
 
-# The examples as written, made cheap for one busy machine: one replica each and small KV
-# caches. Each still has its own maxModelLen and priorityClass.
+# The examples as written, made cheap for one busy machine: one replica each, small KV caches
+# and CPU requests. Each still has its own maxModelLen, priorityClass and memory limit.
 TEST_SIZES = {
     "smollm2-chat": {"replicas": 1, "maxModelLen": 1024, "kvCacheMemory": "64Mi"},
     "smollm2-batch": {"replicas": 1, "maxModelLen": 2048, "kvCacheMemory": "128Mi"},
 }
+TEST_CPU_REQUEST = "100m"
 
 
 def helm(cluster: ClusterHandle, *args: str) -> str:
@@ -78,7 +79,9 @@ def example_documents() -> list[dict[str, Any]]:
                 spec["replicas"] = sizes["replicas"]
                 spec["maxModelLen"] = sizes["maxModelLen"]
                 spec["engine"]["kvCacheMemory"] = sizes["kvCacheMemory"]
-                spec.pop("resources", None)  # the local kubelet has no cgroups anyway
+                # Both pools, the operator, the gateway and CoreDNS on one 2-core node: CPU
+                # requests shrink; the memory limits stay (and are enforced: see below).
+                spec["resources"]["requests"]["cpu"] = TEST_CPU_REQUEST
             documents.append(document)
     return documents
 
@@ -232,10 +235,9 @@ def test_install_serve_upgrade_uninstall(
             served_name = pool["spec"]["model"]["servedName"]
             reply = chat_on_pod_ip(engine["status"]["podIP"], served_name)
             assert reply.split()[0] == served_name, reply
-        # One base URL serves both pools by model name: the chart's gateway (by pod IP here,
-        # as the local cluster routes no Service IP).
-        (gateway,) = release_pods(cluster, namespace, "gateway")
-        gateway_url = f"http://{gateway['status']['podIP']}:8080/v1"
+        # One base URL serves both pools by model name: the chart's gateway, by its Service.
+        gateway = cluster.get("service", "llmpool-gateway", "-n", namespace)
+        gateway_url = f"http://{gateway['spec']['clusterIP']}:8080/v1"
         served = sorted({pool["spec"]["model"]["servedName"] for pool in ready})
         assert sorted(m["id"] for m in list_models(gateway_url)) == served
         for served_name in served:
@@ -293,6 +295,197 @@ def test_install_serve_upgrade_uninstall(
         90,
     )
     assert not cluster.kubectl("get", "llmpools,deployments", "-n", pools_namespace, "-o", "name")
+
+
+# An OpenAI client in a pod of the project's image (which carries the `bench` extra, hence
+# `openai`): argv base URL, model, number of chat completions.
+CHAT_CLIENT = (
+    "import sys, openai\n"
+    "base_url, model, count = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
+    "client = openai.OpenAI(base_url=base_url, api_key='unused', timeout=120, max_retries=5)\n"
+    "for _ in range(count):\n"
+    "    reply = client.chat.completions.create(model=model, max_tokens=4,\n"
+    "        messages=[{'role': 'user', 'content': 'Say hello.'}])\n"
+    "    print(reply.model, reply.choices[0].finish_reason, reply.usage.completion_tokens)\n"
+)
+
+
+def run_client_job(cluster: ClusterHandle, namespace: str, name: str, *argv: str) -> str:
+    """Run CHAT_CLIENT as a Job in ``namespace``; return its output once it succeeded."""
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {
+                            "name": "client",
+                            "image": IMAGE,
+                            "imagePullPolicy": "IfNotPresent",
+                            "command": ["python3", "-c", CHAT_CLIENT, *argv],
+                        }
+                    ],
+                }
+            },
+        },
+    }
+    cluster.apply(job, namespace=namespace)
+
+    def finished() -> dict[str, Any] | None:
+        status = cluster.get("job", name, "-n", namespace).get("status", {})
+        return status if status.get("succeeded") or status.get("failed") else None
+
+    status = wait_for(f"Job {name}", finished, 300, interval=1)
+    logs = cluster.kubectl("logs", f"job/{name}", "-n", namespace)
+    assert status.get("succeeded") == 1, logs
+    return logs
+
+
+def engine_requests(pod: dict[str, Any]) -> float:
+    """Requests an engine pod finished, from its /metrics (by pod IP, from the host)."""
+    url = f"http://{pod['status']['podIP']}:8000/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("llmpool:request_success_total{")
+    )
+
+
+def ready_engines(cluster: ClusterHandle, namespace: str, pool: str) -> list[dict[str, Any]]:
+    pods = cluster.get("pods", "-n", namespace, "-l", f"{POOL_LABEL}={pool}")["items"]
+    return [p for p in pods if pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
+
+
+def exec_in(cluster: ClusterHandle, namespace: str, pod: str, script: str) -> str:
+    return cluster.kubectl("exec", pod, "-n", namespace, "--", "sh", "-c", script)
+
+
+WRITE_TO_ROOT = "touch /written 2>&1 && echo writable || true"
+
+
+def test_in_cluster_endpoint_scaling_security_and_drift(
+    cluster: ClusterHandle, namespace: str, pools_namespace: str
+) -> None:
+    """What a user of the chart meets: each pool's ``status.endpoint`` answers by its DNS name
+    from a pod; a scaled pool's Service spreads requests; the pods run as the chart says; and
+    the operator pod finds and heals a drifted replica over the pod network."""
+    helm(
+        cluster,
+        "install",
+        RELEASE,
+        *install_args(namespace, f"watchNamespaces={{{pools_namespace}}}", f"engineImage={IMAGE}"),
+    )
+    try:
+        cluster.apply(*example_documents(), namespace=pools_namespace)
+        with ThreadPoolExecutor(2) as pool_waiters:
+            ready = list(
+                pool_waiters.map(
+                    lambda name: wait_pool_ready(cluster, pools_namespace, name), TEST_SIZES
+                )
+            )
+
+        # status.endpoint, as a client pod sees it: CoreDNS, then the ClusterIP, then a replica.
+        for pool in ready:
+            name, served = pool["metadata"]["name"], pool["spec"]["model"]["servedName"]
+            endpoint = pool["status"]["endpoint"]
+            assert endpoint == f"http://{name}.{pools_namespace}.svc:8000/v1"
+            logs = run_client_job(cluster, pools_namespace, f"client-{name}", endpoint, served, "1")
+            assert logs.split()[0] == served, logs
+
+        # Scaled to 2, the pool's Service spreads one client's requests over both replicas.
+        chat = "smollm2-chat"
+        cluster.kubectl("scale", "llmpool", chat, "--replicas=2", "-n", pools_namespace)
+        wait_for(
+            "two ready chat replicas",
+            lambda: len(ready_engines(cluster, pools_namespace, chat)) == 2 or None,
+            ENGINE_START_SECONDS,
+            interval=2,
+        )
+        wait_pool_ready(cluster, pools_namespace, chat)
+        engines = ready_engines(cluster, pools_namespace, chat)
+        before = {p["metadata"]["name"]: engine_requests(p) for p in engines}
+        requests = 12  # all on one replica by chance: 2 * 2**-12
+        endpoint = f"http://{chat}.{pools_namespace}.svc:8000/v1"
+        run_client_job(
+            cluster, pools_namespace, "client-spread", endpoint, "smollm2", str(requests)
+        )
+        served_by = {
+            p["metadata"]["name"]: engine_requests(p) - before[p["metadata"]["name"]]
+            for p in engines
+        }
+        assert sum(served_by.values()) == requests, served_by
+        assert all(count >= 1 for count in served_by.values()), served_by
+
+        # The chart's and the operator's securityContexts hold on the node: uid 10001, a
+        # read-only root filesystem, and the engine's memory limit in its cgroup.
+        (operator,) = operator_pods(cluster, namespace)
+        operator_name = operator["metadata"]["name"]
+        assert exec_in(cluster, namespace, operator_name, "id -u").strip() == "10001"
+        assert "Read-only file system" in exec_in(cluster, namespace, operator_name, WRITE_TO_ROOT)
+        engine = engines[0]["metadata"]["name"]
+        assert exec_in(cluster, pools_namespace, engine, "id -u").strip() == "10001"
+        assert "Read-only file system" in exec_in(cluster, pools_namespace, engine, WRITE_TO_ROOT)
+        limit = exec_in(
+            cluster, pools_namespace, engine,
+            "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null"
+            " || cat /sys/fs/cgroup/memory.max",
+        )  # fmt: skip
+        assert int(limit) == 2 * 2**30  # the chat example's limits.memory: 2Gi
+
+        # Drift: with the operator pod away, the template every replica mounts is changed and
+        # one replica restarted on it; the operator pod, back, checks every replica's
+        # /fingerprint over the pod network, reports the drift and recreates the replica.
+        cluster.kubectl("scale", f"deployment/{FULLNAME}", "--replicas=0", "-n", namespace)
+        wait_for("no operator pod", lambda: not operator_pods(cluster, namespace) or None, 90)
+        patch = {"data": {"template": "{{ messages }} tampered"}}
+        cluster.kubectl(
+            "patch", "configmap", f"{chat}-engine", "-n", pools_namespace, "--type=merge",
+            "-p", json.dumps(patch),
+        )  # fmt: skip
+        victim = sorted(before)[0]
+        cluster.kubectl("delete", "pod", victim, "-n", pools_namespace)
+
+        def replacement() -> str | None:
+            new = [
+                p["metadata"]["name"]
+                for p in ready_engines(cluster, pools_namespace, chat)
+                if p["metadata"]["name"] not in before
+            ]
+            return new[0] if new else None
+
+        drifted = wait_for("the replacement replica", replacement, ENGINE_START_SECONDS, 2)
+        cluster.kubectl("scale", f"deployment/{FULLNAME}", "--replicas=1", "-n", namespace)
+
+        def healed() -> dict[str, Any] | None:
+            pool = cluster.get("llmpool", chat, "-n", pools_namespace)
+            names = {p["metadata"]["name"] for p in ready_engines(cluster, pools_namespace, chat)}
+            done = (
+                drifted not in names
+                and len(names) == 2
+                and condition(pool, "Drifted").get("status") == "False"
+                and condition(pool, "Ready").get("status") == "True"
+            )
+            return pool if done else None
+
+        pool = wait_for("the drifted replica recreated", healed, ENGINE_START_SECONDS, 2)
+        assert pool["status"]["drift"] == []
+        for reason in ("DriftDetected", "RecreatingDriftedPod"):
+            events = cluster.kubectl(
+                "get", "events", "-n", pools_namespace, "--field-selector", f"reason={reason}"
+            )
+            assert drifted in events, f"no {reason} Event names {drifted}: {events}"
+        cluster.run(
+            "kubectl", "delete", "llmpool", "--all", "-n", pools_namespace, "--timeout=120s",
+            timeout=180,
+        )  # fmt: skip
+    finally:
+        helm(cluster, "uninstall", RELEASE, "-n", namespace, "--wait", "--timeout=120s")
 
 
 @pytest.mark.parametrize("scope", ["namespaced", "clusterwide"])
