@@ -39,13 +39,16 @@ RUN if ! python3 -c 'import sys, venv, ensurepip; assert sys.version_info >= (3,
     fi
 
 # --------------------------------------------------------------------------------------------
-# requirements: the dependencies pyproject.toml declares, as a file, so that the runtime's
+# requirements: the dependencies pyproject.toml declares, with the `bench` extra (the openai
+# client and the load generator's plot), so that `llmpool bench serve` and OpenAI clients run
+# in-cluster from this image against a pool's endpoint; as a file, so that the runtime's
 # dependency layer is redone when they change, not on every edit of pyproject.toml.
 FROM base AS requirements
 RUN --mount=type=bind,source=pyproject.toml,target=/tmp/pyproject.toml \
     python3 -c 'import tomllib; \
 project = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]; \
-print("\n".join(project["dependencies"]))' > /requirements.txt
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["bench"]))' \
+    > /requirements.txt
 
 # --------------------------------------------------------------------------------------------
 # wheel: llmpool's own wheel, built from the sources, which stay in this stage.

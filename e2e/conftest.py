@@ -1,4 +1,4 @@
-"""Session fixtures for the e2e tests: a real control plane and the local kubelet.
+"""Session fixtures for the e2e tests: a real control plane and node, with the project's image.
 
 The cluster is built (or taken from the cache), started once per session and stopped at
 the end; a cluster already started with ``e2e/cluster up`` is reused and left running.
@@ -44,8 +44,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterHandle]:
     reused = control_plane.running()
     try:
         control_plane.up()
-        if control_plane.node() == "containerd":
-            control_plane.load(IMAGE)
+        control_plane.load(IMAGE)
     except Exception:
         _report_logs(request, control_plane, "the cluster did not start")
         raise

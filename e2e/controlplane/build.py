@@ -133,6 +133,14 @@ def bin_dirs() -> list[Path]:
     ]
 
 
+def crictl_path() -> Path:
+    return _bin_dir("cri-tools", versions.CRI_TOOLS) / "crictl"
+
+
+def kube_proxy_path() -> Path:
+    return _bin_dir("kubernetes", versions.KUBERNETES) / "kube-proxy"
+
+
 def _src_dir(component: str, version: str) -> Path:
     return versions.cache_dir() / "src" / f"{component}-{version}"
 

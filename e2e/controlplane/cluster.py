@@ -1,9 +1,6 @@
 """The e2e cluster: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and one
-node, all on one machine, state in one directory.
-
-The node is containerd, the kubelet and kube-proxy, with CoreDNS as an add-on
-(``LLMPOOL_E2E_NODE=containerd``), or the local kubelet of ``e2e/kubelet`` that runs pods as
-processes (``local``, the default while the suite moves over).
+node (containerd, the kubelet, kube-proxy; CoreDNS as an add-on), all on one machine, state in
+one directory.
 
 ``Cluster.up`` is idempotent: a cluster whose daemons are all alive is reused as is.
 """
@@ -25,30 +22,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from kubelet import network as local_network
 
 from . import addons, build, certs, images, network, node, processes, runtime, topology, versions
 from .locking import locked
 
 E2E_DIR = Path(__file__).resolve().parent.parent
-CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
-# Stop order matters (the reverse): the node goes first, while the apiserver is still up.
-NODE_COMPONENTS = {
-    "local": ("kubelet",),
-    "containerd": ("containerd", "kubelet", "kube-proxy"),
-}
+# Stop order matters (the reverse): the node goes first, while the apiserver is still up, and
+# containerd after the kubelet, so that the pods can be removed through it.
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "containerd",
+    "kubelet",
+    "kube-proxy",
+)
 LOCK_NAME = ".lock"
 
 
 def default_state_dir() -> Path:
     return Path(os.environ.get("LLMPOOL_E2E_STATE", E2E_DIR / ".state"))
-
-
-def node_kind() -> str:
-    kind = os.environ.get("LLMPOOL_E2E_NODE", "local")
-    if kind not in NODE_COMPONENTS:
-        raise RuntimeError(f"LLMPOOL_E2E_NODE must be one of {', '.join(NODE_COMPONENTS)}")
-    return kind
 
 
 def _free_port() -> int:
@@ -68,7 +62,6 @@ class Record:
     ports: dict[str, int] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
     version: str = versions.KUBERNETES
-    node: str = "local"
 
     @classmethod
     def load(cls, path: Path) -> Record | None:
@@ -96,23 +89,14 @@ class Cluster:
     def record(self) -> Record | None:
         return Record.load(self._record_path)
 
-    def node(self) -> str:
-        """The node kind of the recorded cluster, else the one ``up`` would start."""
-        rec = self.record()
-        return rec.node if rec else node_kind()
-
-    def components(self) -> tuple[str, ...]:
-        return (*CONTROL_PLANE, *NODE_COMPONENTS[self.node()])
-
     def component_status(self) -> dict[str, bool]:
         rec = self.record()
         pids = rec.pids if rec else {}
-        return {c: c in pids and processes.alive(pids[c]) for c in self.components()}
+        return {c: c in pids and processes.alive(pids[c]) for c in COMPONENTS}
 
-    def runtime(self) -> runtime.Clients:
+    def node_runtime(self) -> runtime.Clients:
         """ctr and crictl against this cluster's containerd."""
-        crictl = build.bin_dirs()[-1] / "crictl"
-        return runtime.Clients(self.containerd_socket, crictl)
+        return runtime.Clients(self.containerd_socket, build.crictl_path())
 
     def running(self) -> bool:
         status = self.component_status()
@@ -138,7 +122,7 @@ class Cluster:
         """Start the cluster, or reuse it if it runs; concurrent callers wait for each other."""
         binaries = build.ensure_binaries()
         with locked(self.state_dir / LOCK_NAME):
-            if self.running() and self.node() == node_kind():
+            if self.running():
                 _log(f"reusing the running cluster in {self.state_dir}")
                 return
             self._stop(quiet=True)
@@ -150,12 +134,11 @@ class Cluster:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         ports = ["etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler"]
         ports += ["kubelet", "kube-proxy-healthz", "kube-proxy-metrics"]
-        rec = Record(ports={name: _free_port() for name in ports}, node=node_kind())
+        rec = Record(ports={name: _free_port() for name in ports})
         self._make_credentials(rec)
         _log(f"credentials ready ({time.monotonic() - started:.1f}s)")
         deadline = time.monotonic() + timeout
-        if rec.node == "containerd":
-            network.prepare_host()
+        network.prepare_host()
         rec.pids["etcd"] = self._spawn("etcd", self._etcd_argv(binaries, rec))
         rec.save(self._record_path)
         self._wait(
@@ -172,10 +155,7 @@ class Cluster:
         rec.pids["kube-scheduler"] = self._spawn(
             "kube-scheduler", self._scheduler_argv(binaries, rec)
         )
-        if rec.node == "containerd":
-            self._start_node(binaries, rec, deadline)
-        else:
-            rec.pids["kubelet"] = self._spawn("kubelet", self._kubelet_argv(rec), cwd=E2E_DIR)
+        self._start_node(binaries, rec, deadline)
         rec.save(self._record_path)
         for name, port in (
             ("kube-controller-manager", rec.ports["controller-manager"]),
@@ -185,9 +165,8 @@ class Cluster:
                 name, lambda p=port: self._http_ok(f"https://127.0.0.1:{p}/healthz"), deadline
             )
         self._wait("node Ready", self._node_ready, deadline)
-        if rec.node == "containerd":
-            self._apply(addons.coredns(runtime.COREDNS_IMAGE))
-            self._wait("CoreDNS", self._dns_ready, deadline)
+        self._apply(addons.coredns(runtime.COREDNS_IMAGE))
+        self._wait("CoreDNS", self._dns_ready, deadline)
         self._wait(
             "default service account",
             lambda: self._api_ok("/api/v1/namespaces/default/serviceaccounts/default"),
@@ -254,12 +233,10 @@ class Cluster:
 
     def _apiserver_argv(self, b: build.Binaries, rec: Record) -> list[str]:
         pki = self.pki
-        # Pods reach the apiserver at the bridge's address: the real node routes them to the
-        # host (so it listens there too); the local kubelet relays them to 127.0.0.1.
-        bind = "0.0.0.0" if rec.node == "containerd" else "127.0.0.1"
         return [
             str(b.kube_apiserver),
-            f"--bind-address={bind}",
+            # Pods reach the apiserver at the bridge's address, the node's: listen there too.
+            "--bind-address=0.0.0.0",
             f"--secure-port={rec.ports['apiserver']}",
             # What the `kubernetes` Service endpoints say: the pod network gateway.
             f"--advertise-address={topology.POD_GATEWAY}",
@@ -317,7 +294,7 @@ class Cluster:
         containerd = [runtime.containerd_binary(), f"--config={config}"]
         rec.pids["containerd"] = self._spawn("containerd", containerd)
         rec.save(self._record_path)
-        clients = self.runtime()
+        clients = self.node_runtime()
         self._wait("containerd", clients.ready, deadline)
         self._load_node_images(b, clients)
         kubelet_config = node.write_yaml(
@@ -361,9 +338,9 @@ class Cluster:
 
     def load(self, image: str) -> None:
         """Import ``image`` from Docker into the node, unless the node has that very image."""
-        if self.node() != "containerd" or not self.runtime().ready():
-            raise RuntimeError("`load` needs a running cluster with the containerd node")
-        clients = self.runtime()
+        if not self.node_runtime().ready():
+            raise RuntimeError("`load` needs a running cluster: run `e2e/cluster up` first")
+        clients = self.node_runtime()
         docker_id = images.docker_image_id(image)
         if clients.image_config_digest(image) == docker_id:
             _log(f"{image} is loaded already ({docker_id})")
@@ -388,21 +365,6 @@ class Cluster:
         path = f"/apis/apps/v1/namespaces/{addons.NAMESPACE}/deployments/coredns"
         status = (self.api_get(path) or {}).get("status", {})
         return bool(status.get("readyReplicas"))
-
-    def _kubelet_argv(self, rec: Record) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "kubelet",
-            f"--kubeconfig={self.state_dir / 'kubelet.kubeconfig'}",
-            f"--node-name={topology.NODE_NAME}",
-            f"--root-dir={self.state_dir / 'kubelet'}",
-            f"--apiserver-port={rec.ports['apiserver']}",
-            f"--serving-cert={self.pki.crt('kubelet-serving')}",
-            f"--serving-key={self.pki.key('kubelet-serving')}",
-            f"--client-ca={self.pki.ca_crt}",
-            f"--pod-log-dir={self.logs_dir / 'pods'}",
-        ]
 
     # ------------------------------------------------------------- readiness
     def _wait(self, what: str, ready: Callable[[], bool], deadline: float) -> None:
@@ -474,18 +436,15 @@ class Cluster:
     def _stop(self, quiet: bool) -> None:
         rec = self.record()
         if rec is not None:
-            for name in reversed(self.components()):
+            for name in reversed(COMPONENTS):
                 if name not in rec.pids:
                     continue
                 if name == "containerd" and processes.alive(rec.pids[name]):
-                    self.runtime().remove_pods()  # sandboxes, containers and their networks
-                grace = 45.0 if name == "kubelet" and rec.node == "local" else 10.0
-                processes.stop(rec.pids[name], grace=grace)
+                    self.node_runtime().remove_pods()  # sandboxes, containers and their networks
+                processes.stop(rec.pids[name], grace=10.0)
                 if not quiet:
                     _log(f"stopped {name}")
-            if rec.node == "containerd":
-                self._cleanup_proxy_rules()
-        local_network.remove_all()  # the local kubelet cleans up after itself; a safety net
+            self._cleanup_proxy_rules()
         network.remove()
         processes.unmount_under(self.state_dir)  # pod volumes, which the kubelet leaves mounted
         for entry in self.state_dir.glob("*") if self.state_dir.exists() else []:
@@ -494,7 +453,7 @@ class Cluster:
 
     def _cleanup_proxy_rules(self) -> None:
         """kube-proxy's own clean-up of the iptables chains it made."""
-        proxy = build.bin_dirs()[0] / "kube-proxy"
+        proxy = build.kube_proxy_path()
         if proxy.exists():
             subprocess.run([str(proxy), "--cleanup"], capture_output=True, check=False)
 

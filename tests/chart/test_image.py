@@ -251,8 +251,14 @@ def test_dockerignore_keeps_the_context_to_the_package(parsed: list[Instruction]
     assert set(PACKAGE_FOLDERS) <= allowed and "pyproject.toml" in allowed
 
 
-def test_the_charts_image_is_this_one() -> None:
-    """The chart's default repository names llmpool (the e2e kubelet maps any such image to
-    the `llmpool` console script, i.e. this image's ENTRYPOINT)."""
-    values = yaml.safe_load((ROOT / "charts" / "llmpool" / "values.yaml").read_text())
-    assert "llmpool" in values["image"]["repository"]
+def test_the_charts_image_is_the_one_built_and_loaded() -> None:
+    """The chart's default image (repository:appVersion) is what scripts/build-image.sh builds
+    and what the e2e suite loads into its node, so `helm install` there runs this build."""
+    chart = ROOT / "charts" / "llmpool"
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    app_version = yaml.safe_load((chart / "Chart.yaml").read_text())["appVersion"]
+    default = f"{values['image']['repository']}:{app_version}"
+    build = (ROOT / "scripts" / "build-image.sh").read_text()
+    assert f"IMAGE=${{IMAGE:-{default}}}" in build
+    harness = (ROOT / "e2e" / "harness.py").read_text()
+    assert f'os.environ.get("LLMPOOL_IMAGE", "{default}")' in harness
