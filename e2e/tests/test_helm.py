@@ -297,16 +297,19 @@ def test_install_serve_upgrade_uninstall(
     assert not cluster.kubectl("get", "llmpools,deployments", "-n", pools_namespace, "-o", "name")
 
 
-# An OpenAI client in a pod of the project's image (which carries the `bench` extra, hence
-# `openai`): argv base URL, model, number of chat completions.
+# OpenAI clients in a pod of the project's image (which carries the `bench` extra, hence
+# `openai`): argv base URL, model, number of chat completions, each from a new client, as from
+# independent users. (kube-proxy balances connections, not requests: one client's keep-alive
+# connection stays on one replica, which is what the gateway is for.)
 CHAT_CLIENT = (
     "import sys, openai\n"
     "base_url, model, count = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
-    "client = openai.OpenAI(base_url=base_url, api_key='unused', timeout=120, max_retries=5)\n"
     "for _ in range(count):\n"
+    "    client = openai.OpenAI(base_url=base_url, api_key='unused', timeout=120, max_retries=5)\n"
     "    reply = client.chat.completions.create(model=model, max_tokens=4,\n"
     "        messages=[{'role': 'user', 'content': 'Say hello.'}])\n"
     "    print(reply.model, reply.choices[0].finish_reason, reply.usage.completion_tokens)\n"
+    "    client.close()\n"
 )
 
 
