@@ -32,7 +32,7 @@ def parse_bytes(value: int | str) -> int:
     return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
 
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,7 +94,7 @@ class EngineConfig:
     # The most urgent class a request may ask for; None: priority_class, so that no client of a
     # batch pool can jump ahead of the pool's own class.
     max_request_priority: str | None = None
-    quantization: str = "none"  # none | int8 (weight-only, per-output-channel scales)
+    quantization: str = "none"  # none | int8 | int4 (weight-only; engine/models/quantization.py)
     kv_cache_dtype: str = (
         "auto"  # auto: the model's dtype; fp8: e4m3 (per-layer scales calibrated at load)
     )

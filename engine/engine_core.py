@@ -25,7 +25,7 @@ from llmpool.engine.models.quantization import (
     FP8_KV_SCALE_HEADROOM,
     KV_CALIBRATION_TEXT,
     fp8_kv_scale,
-    quantize_int8,
+    quantize,
 )
 from llmpool.engine.outputs import RequestDelta
 from llmpool.engine.priority import PRIORITY_CLASSES
@@ -57,6 +57,9 @@ def model_shape_for_capacity(shape: LlamaShape, num_parameters: int) -> capacity
         head_dim=shape.head_dim,
         num_parameters=num_parameters,
         max_position_embeddings=shape.max_position_embeddings,
+        embedding_parameters=capacity.embedding_parameters(
+            shape.vocab_size, shape.hidden_size, shape.tie_word_embeddings
+        ),
     )
 
 
@@ -94,8 +97,7 @@ class EngineCore:
         model = LlamaForCausalLM(self.shape, self.backend, max_positions=self.max_model_len)
         load_weights(model, folder)
         num_parameters = sum(p.numel() for p in model.parameters())
-        if config.quantization == "int8":
-            quantize_int8(model)  # from the float32 checkpoint weights, before the cast
+        quantize(model, config.quantization)  # from the float32 checkpoint weights, before the cast
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.cos_sin_cache = self.model.cos_sin_cache.to(self.device)
         self.capacity_shape = model_shape_for_capacity(self.shape, num_parameters)

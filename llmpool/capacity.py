@@ -7,9 +7,12 @@ from typing import Any
 
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 WEIGHT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Bytes per parameter of each --quantization (None: the model's dtype). int8 also keeps one scale
-# per output channel, under 1% of the weights of any layer wider than 100.
-QUANTIZATION_BYTES: dict[str, int | None] = {"none": None, "int8": 1}
+# Bytes per weight of the decoder layers under each --quantization (None: the model's dtype).
+# int8 also keeps one scale per output channel, under 1% of any layer wider than 100; int4 keeps
+# a bfloat16 scale and zero per 32 weights (engine/models/int4.py). The embeddings and the LM
+# head are int8 under both (EMBEDDING_QUANTIZED_BYTES).
+QUANTIZATION_BYTES: dict[str, float | None] = {"none": None, "int8": 1, "int4": 0.5 + 4 / 32}
+EMBEDDING_QUANTIZED_BYTES = 1
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,12 @@ class ModelShape:
     head_dim: int
     num_parameters: int
     max_position_embeddings: int
+    # Of num_parameters, those of the embedding table and an untied LM head.
+    embedding_parameters: int
+
+
+def embedding_parameters(vocab_size: int, hidden_size: int, tie_word_embeddings: bool) -> int:
+    return vocab_size * hidden_size * (1 if tie_word_embeddings else 2)
 
 
 # Shapes of models the operator can size without loading them.
@@ -31,6 +40,7 @@ BUILTIN_MODEL_SHAPES = {
         head_dim=64,
         num_parameters=134_515_008,
         max_position_embeddings=8192,
+        embedding_parameters=49_152 * 576,
     ),
 }
 
@@ -52,24 +62,30 @@ def model_shape_from_config(config: dict[str, Any]) -> ModelShape:
         + 3 * hidden * config["intermediate_size"]  # gate, up, down
         + 2 * hidden  # two RMSNorm weights
     )
-    head = 0 if config.get("tie_word_embeddings") else vocab * hidden
+    embeddings = embedding_parameters(vocab, hidden, bool(config.get("tie_word_embeddings")))
     return ModelShape(
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        num_parameters=vocab * hidden + num_layers * per_layer + hidden + head,
+        num_parameters=embeddings + num_layers * per_layer + hidden,
         max_position_embeddings=config["max_position_embeddings"],
+        embedding_parameters=embeddings,
     )
 
 
 def weight_bytes(shape: ModelShape, dtype: str, quantization: str = "none") -> int:
-    """Memory of the weights: every parameter at the quantization's width, else at ``dtype``'s."""
+    """Memory of the weights: every parameter at ``dtype``'s width, or, when quantized, the
+    decoder layers at the quantization's and the embeddings and LM head at int8's."""
     if quantization not in QUANTIZATION_BYTES:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATION_BYTES)}, got {quantization!r}"
         )
-    per_parameter = QUANTIZATION_BYTES[quantization] or WEIGHT_DTYPE_BYTES[dtype]
-    return shape.num_parameters * per_parameter
+    layer_bytes = QUANTIZATION_BYTES[quantization]
+    if layer_bytes is None:
+        return shape.num_parameters * WEIGHT_DTYPE_BYTES[dtype]
+    layer_parameters = shape.num_parameters - shape.embedding_parameters
+    embeddings = shape.embedding_parameters * EMBEDDING_QUANTIZED_BYTES
+    return embeddings + round(layer_parameters * layer_bytes)
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:

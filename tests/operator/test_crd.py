@@ -95,7 +95,7 @@ def test_printer_columns_point_at_schema_fields(crd, schema):
 
 
 def test_enums(schema):
-    assert schema.at("spec", "quantization")["enum"] == ["none", "int8"]
+    assert schema.at("spec", "quantization")["enum"] == ["none", "int8", "int4"]
     assert schema.at("spec", "kvCacheDtype")["enum"] == ["auto", "fp8"]
     assert schema.at("spec", "drift", "policy")["enum"] == ["Report", "Recreate"]
     assert schema.at("spec", "priorityClass")["enum"] == ["interactive", "batch"]
@@ -233,8 +233,8 @@ def test_examples_pin_the_builtin_gguf(example_pools):
 
 
 def test_invalid_specs_are_rejected_by_the_schema(schema, chat_pool):
-    bad_enum = {**chat_pool, "spec": {**chat_pool["spec"], "quantization": "int4"}}
-    assert any("int4" in e for e in schema.errors(bad_enum))
+    bad_enum = {**chat_pool, "spec": {**chat_pool["spec"], "quantization": "fp8"}}
+    assert any("fp8" in e for e in schema.errors(bad_enum))
     no_revision = {**chat_pool, "spec": {**chat_pool["spec"], "model": {"source": "builtin://x"}}}
     assert ".spec.model.revision: required" in schema.errors(no_revision)
     typo = {**chat_pool, "spec": {**chat_pool["spec"], "maxModelLength": 10}}

@@ -1,0 +1,152 @@
+"""int4 weight-only linear layers: group-wise asymmetric scales, torch's packed CPU kernel.
+
+A weight ``w[n, k]`` is stored as a 4-bit code ``q`` in 0..15 with one bfloat16 scale and zero
+per group of ``INT4_GROUP_SIZE`` input columns: ``w ≈ (q - 8) * scale + zero`` (torch's int4
+convention). Groups of 32, as llama.cpp's Q4_1 (a 16-bit scale and min per 32 weights along a
+row): 4 + 32/32 = 5 bits per weight, like Q4_1. The built-in model's weights are a dequantized
+Q4_1 file, so groups of 32 land on its grid and keep its function (perplexity 0.99x float32's,
+greedy agreement 0.96), where groups of 64 (4.5 bits) requantize onto a coarser grid:
+perplexity 1.50x and greedy agreement 0.24 (tests/test_quantization.py's text and prompts).
+32 also divides every width of the Llama, Mistral and Qwen2 families.
+
+The codes are kept in the byte layout of ``torch.ops.aten._weight_int4pack_mm_for_cpu``, which
+:func:`pack_int4` writes with plain tensor ops (``_convert_weight_to_int4pack_for_cpu`` writes
+the same bytes, and a test checks that). :func:`dequantize_int4` reads that layout back, so
+devices without the kernel (CUDA, older torch) and the tests compute from the same bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT4_GROUP_SIZE = 32
+# The CPU kernel's layout: output channels in blocks of 64; per block and input column k, byte j
+# holds channel j in its low nibble and channel 32 + j in its high nibble.
+PACK_BLOCK_N = 64
+_HALF_BLOCK = PACK_BLOCK_N // 2
+INT4_MAX_CODE = 15
+INT4_MID_CODE = 8
+
+
+def cpu_kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
+    if out_features % PACK_BLOCK_N or in_features % group_size:
+        raise ValueError(
+            f"int4 needs output features divisible by {PACK_BLOCK_N} and input features by"
+            f" {group_size}; this layer is {out_features}x{in_features}"
+        )
+
+
+def quantize_groups_int4(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[N, K]`` (uint8, 0..15) and bfloat16 ``scales_and_zeros`` ``[K / group, N, 2]``.
+
+    Each group's range [min, max] maps onto the 16 codes; the codes are rounded against the
+    bfloat16 scale and zero that are stored, so the stored values are what the error is
+    measured from.
+    """
+    out_features, in_features = weight.shape
+    check_int4_shape(out_features, in_features, group_size)
+    groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scale = ((high - low) / INT4_MAX_CODE).clamp(min=1e-8).to(torch.bfloat16).float()
+    zero = (low + INT4_MID_CODE * scale).to(torch.bfloat16).float()
+    codes = torch.round((groups - zero[..., None]) / scale[..., None]) + INT4_MID_CODE
+    codes = codes.clamp(0, INT4_MAX_CODE).to(torch.uint8).reshape(out_features, in_features)
+    scales_and_zeros = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
+    return codes, scales_and_zeros.to(torch.bfloat16)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` codes to the kernel's ``[N, K / 2]`` bytes (see ``PACK_BLOCK_N``)."""
+    out_features, in_features = codes.shape
+    blocks = codes.to(torch.uint8).reshape(-1, 2, _HALF_BLOCK, in_features)
+    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N / 64, 32, K]
+    return packed.transpose(1, 2).contiguous().reshape(out_features, in_features // 2)
+
+
+def unpack_int4_transposed(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`, transposed: ``[K, N]`` codes (uint8).
+
+    Transposed because that order needs one copy of the bytes: in the kernel's layout the
+    channels of one input column already sit together (64 per block).
+    """
+    out_features, half_in = packed.shape
+    in_features = 2 * half_in
+    by_column = packed.reshape(-1, in_features, _HALF_BLOCK).transpose(0, 1)  # [K, N/64, 32]
+    codes = torch.stack([by_column & 0xF, by_column >> 4], dim=2)  # [K, N/64, 2, 32]
+    return codes.reshape(in_features, out_features)
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight the packed codes stand for (a transposed view): the
+    reference path, ``code * scale + (zero - 8 * scale)``."""
+    codes = unpack_int4_transposed(packed)
+    in_features, out_features = codes.shape
+    scale, zero = scales_and_zeros.float().unbind(dim=2)  # [K / group, N] each
+    offset = zero - INT4_MID_CODE * scale
+    groups = codes.float().view(-1, group_size, out_features)
+    weight = torch.addcmul(offset[:, None], groups, scale[:, None])
+    return weight.view(in_features, out_features).t()
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ dequantize(weight).T + bias`` with 4-bit codes and group-wise scales and zeros.
+
+    On CPU the fused kernel runs in bfloat16 whatever the activations' dtype: its float32
+    variant is scalar code (on this project's CPU 34x slower than the dense float32 matmul at
+    one row, 700x at 64), while the bfloat16 one reads the packed weight once and accumulates
+    in float32. Elsewhere the weight is dequantized per call (the reference path).
+
+    The scales and zeros are held as the int16 bits of their bfloat16 values, so that
+    ``module.to(dtype)`` leaves them alone (as the uint8 codes) and the kernel gets them as they
+    were quantized against.
+    """
+
+    weight: torch.Tensor
+    scales_and_zeros_bits: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scales_and_zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        group_size: int = INT4_GROUP_SIZE,
+    ) -> None:
+        super().__init__()
+        self.group_size = group_size
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales_and_zeros_bits", scales_and_zeros.view(torch.int16))
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+        codes, scales_and_zeros = quantize_groups_int4(weight)
+        bias = None if bias is None else bias.detach().clone()
+        return cls(pack_int4(codes), scales_and_zeros, bias)
+
+    @property
+    def scales_and_zeros(self) -> torch.Tensor:
+        return self.scales_and_zeros_bits.view(torch.bfloat16)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_int4(self.weight, self.scales_and_zeros, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and cpu_kernel_available():
+            rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.weight, self.group_size, self.scales_and_zeros
+            )
+            out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
+        else:
+            out = nn.functional.linear(x, self.dequantize().to(x.dtype))
+        return out if self.bias is None else out + self.bias

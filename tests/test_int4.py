@@ -1,0 +1,123 @@
+"""int4 and int8 weight-only layers against their dequantized reference matmuls (no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmpool.engine.models import int4
+from llmpool.engine.models.int4 import (
+    INT4_GROUP_SIZE,
+    Int4Linear,
+    dequantize_int4,
+    pack_int4,
+    quantize_groups_int4,
+    unpack_int4_transposed,
+)
+from llmpool.engine.models.quantization import (
+    INT8_KERNEL_MAX_ROWS,
+    Int8Linear,
+    quantize_rows_int8,
+)
+
+# SmolLM2's layer shapes (out, in): qkv, o, gate_up, down.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+DTYPES = [torch.float32, torch.bfloat16]
+# Rows on each side of INT8_KERNEL_MAX_ROWS: decode (the fused kernel) and prefill (split int8).
+ROWS = [1, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, 64]
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest absolute difference over the largest expected value."""
+    return float((got.float() - expected).abs().max() / expected.abs().max())
+
+
+def test_packing_round_trips_and_matches_torchs_converter() -> None:
+    codes = torch.randint(0, 16, (192, 256), dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.shape == (192, 128) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4_transposed(packed), codes.t())
+    if hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
+        converted = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+        assert torch.equal(packed, converted)
+
+
+def test_int4_groups_round_trip_within_half_a_step() -> None:
+    weight = torch.randn(128, 4 * INT4_GROUP_SIZE) * torch.linspace(0.01, 3, 128)[:, None]
+    codes, scales_and_zeros = quantize_groups_int4(weight)
+    assert scales_and_zeros.shape == (4, 128, 2) and scales_and_zeros.dtype == torch.bfloat16
+    assert int(codes.min()) >= 0 and int(codes.max()) <= 15
+    step = scales_and_zeros[..., 0].float().t().repeat_interleave(INT4_GROUP_SIZE, dim=1)
+    zero = scales_and_zeros[..., 1].float().t().repeat_interleave(INT4_GROUP_SIZE, dim=1)
+    expected = (codes.float() - 8) * step + zero
+    dequantized = dequantize_int4(pack_int4(codes), scales_and_zeros)
+    torch.testing.assert_close(dequantized, expected, rtol=1e-6, atol=1e-6)
+    # Within half a step of the weight, plus the bfloat16 rounding of the zero.
+    assert bool(((dequantized - weight).abs() <= step / 2 + zero.abs() * 2**-8 + 1e-6).all())
+
+
+def test_int4_refuses_shapes_the_layout_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="int4 needs output features divisible by 64"):
+        Int4Linear.from_float(torch.randn(96, 128))
+    with pytest.raises(ValueError, match=f"input features by {INT4_GROUP_SIZE}"):
+        Int4Linear.from_float(torch.randn(64, INT4_GROUP_SIZE + 16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_int4_layer_matches_its_dequantized_weight(
+    out_features: int, in_features: int, rows: int, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(torch.randn(out_features, in_features), torch.randn(out_features))
+    layer = layer.to(dtype)
+    x = torch.randn(rows, in_features).to(dtype)
+    # The CPU kernel computes in bfloat16 (float32 accumulation): the reference rounds x alike.
+    expected = x.bfloat16().float() @ layer.dequantize().T + layer.bias.float()
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    assert relative_error(got, expected) < 2**-7
+
+
+def test_int4_reference_path_is_the_kernels_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What runs where the kernel does not (CUDA, older torch): the dequantized float matmul."""
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(torch.randn(192, 128))
+    x = torch.randn(5, 128)
+    kernel = layer(x)
+    monkeypatch.setattr(int4, "cpu_kernel_available", lambda: False)
+    reference = layer(x)
+    torch.testing.assert_close(reference, x @ layer.dequantize().T)
+    assert relative_error(kernel, reference) < 2**-7
+
+
+def test_int4_scales_keep_their_bits_through_a_dtype_cast() -> None:
+    layer = Int4Linear.from_float(torch.randn(64, 128))
+    before = layer.scales_and_zeros.clone()
+    layer.to(torch.float32)
+    assert layer.scales_and_zeros.dtype == torch.bfloat16
+    assert torch.equal(layer.scales_and_zeros, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_int8_layer_matches_its_dequantized_weight(
+    out_features: int, in_features: int, rows: int, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features)
+    quantized, scale = quantize_rows_int8(weight)
+    layer = Int8Linear.from_float(weight).to(dtype)
+    x = torch.randn(rows, in_features).to(dtype)
+    dequantized = quantized.float() * layer.scale.float()[:, None]
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    if rows <= INT8_KERNEL_MAX_ROWS:  # the fused kernel, in bfloat16
+        expected = x.bfloat16().float() @ dequantized.T
+        assert relative_error(got, expected) < 2**-7
+    else:  # split int8 activations: 15 bits per row, then the output's dtype
+        expected = x.float() @ dequantized.T
+        output_rounding = 2**-7 if dtype == torch.bfloat16 else 1e-4
+        assert relative_error(got, expected) < output_rounding
