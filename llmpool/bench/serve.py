@@ -1,13 +1,23 @@
-"""`llmpool bench serve`: a streaming load generator for an OpenAI-compatible completions endpoint.
+"""`llmpool bench serve`: a streaming load generator for OpenAI-compatible completions endpoints.
 
-For each concurrency level it sends ``--num-prompts`` streaming requests, or ``--rounds`` times
-the concurrency so that every level keeps its slots busy for as many rounds (token-id prompts of
-``--input-len`` tokens, the first ``--shared-prefix-len`` of them common to all, and exactly
-``--output-len`` output tokens via ``ignore_eos``), at most ``concurrency`` in flight and, with
-``--request-rate``, Poisson arrivals. It reports TTFT, TPOT, ITL and end-to-end latency
-percentiles and request and output-token throughput, each level's throughput also as a ratio
-to the lowest level's (the baseline measured in the same run), and writes JSON, a markdown
-table and a PNG plot of throughput and p95 TTFT against concurrency.
+One run measures ``--url`` (ours) and every ``--against`` peer on the same workload: for each
+concurrency level it sends ``--num-prompts`` streaming requests (one number, or one per level),
+or ``--rounds`` times the concurrency so that every level keeps its slots busy for as many rounds, at most ``concurrency``
+in flight and, with ``--request-rate``, Poisson arrivals. Prompts are text of ``--input-len``
+words (``N`` or ``LOW-HIGH``, the first ``--shared-prefix-len`` words common to all), each with
+exactly ``--output-len`` output tokens (``N`` or ``LOW-HIGH``, via ``ignore_eos``); each level's
+requests are fresh, and identical for every target. The targets run one after the other within a
+level, their order alternating from level to level, each warmed up by one request first.
+
+A token arrives with a stream chunk that carries text: TTFT is the time to the first, ITL the gaps
+between them. Output tokens are the server's ``usage.completion_tokens`` (asked for with
+``stream_options.include_usage``; llama.cpp's server reports it in the last chunk regardless),
+or the number of text chunks where a server reports no usage; the report says which per level.
+
+It reports TTFT, TPOT, ITL and end-to-end latency percentiles and request and output-token
+throughput per target, each level's throughput also as a ratio to the lowest level's, and for each
+peer the ratios ours / peer of output tok/s, ITL p50 and TTFT p50 at each level; it writes JSON,
+a markdown table and a PNG plot.
 """
 
 from __future__ import annotations
@@ -22,7 +32,9 @@ import shlex
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +42,28 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-# Token ids drawn for prompts: inside any Llama-family vocabulary, clear of special tokens.
-PROMPT_TOKEN_RANGE = (1000, 20000)
+from llmpool.bench.compare import (
+    Target,
+    check_unique,
+    comparison_table,
+    level_ratios,
+    parse_target,
+)
+from llmpool.bench.workload import WorkItem, make_levels, parse_length_range
+
 PERCENTILES = (50, 95, 99)
+OURS = "llmpool"
 
 
 @dataclass
 class RequestResult:
     ok: bool
-    ttft: float = 0.0  # seconds from sending to the first token
+    ttft: float = 0.0  # seconds from sending to the first text chunk
     e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)  # gaps between consecutive token chunks
+    itls: list[float] = field(default_factory=list)  # gaps between consecutive text chunks
     output_tokens: int = 0
+    prompt_tokens: int | None = None
+    counted_by: str = "chunks"  # where output_tokens came from: "usage" or "chunks"
     error: str | None = None
 
     @property
@@ -58,22 +80,15 @@ class LevelSummary:
     duration_s: float
     request_throughput: float
     output_throughput: float
-    output_throughput_ratio: float  # against the lowest concurrency level of this run
+    output_throughput_ratio: float  # against the lowest concurrency level of this target
     ttft_ms: dict[str, float]
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
     errors: dict[str, int]  # failed requests by error message
-
-
-def make_prompts(num: int, input_len: int, shared_prefix_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    low, high = PROMPT_TOKEN_RANGE
-    prefix = [rng.randrange(low, high) for _ in range(min(shared_prefix_len, input_len))]
-    return [
-        prefix + [rng.randrange(low, high) for _ in range(input_len - len(prefix))]
-        for _ in range(num)
-    ]
+    prompt_tokens_mean: float = math.nan  # as the server counted them (its tokenizer)
+    output_tokens_counted_by: str = "usage"  # "usage", "chunks" or "mixed"
+    load_average_1m: float = math.nan  # of the machine, right after the level
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -87,13 +102,27 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     }
 
 
+def read_chunk(chunk: dict[str, Any], result: RequestResult) -> bool:
+    """Fold one stream chunk into ``result``; True if it carried text (a token arrival)."""
+    if usage := chunk.get("usage"):
+        result.output_tokens = usage["completion_tokens"]
+        result.prompt_tokens = usage.get("prompt_tokens")
+        result.counted_by = "usage"
+    choices = chunk.get("choices") or [{}]
+    if choices[0].get("text"):
+        if result.counted_by == "chunks":
+            result.output_tokens += 1
+        return True
+    return False
+
+
 async def send_request(
-    client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int, temperature: float
+    client: httpx.AsyncClient, model: str, item: WorkItem, temperature: float
 ) -> RequestResult:
     body = {
         "model": model,
-        "prompt": prompt,
-        "max_tokens": output_len,
+        "prompt": item.prompt,
+        "max_tokens": item.output_len,
         "temperature": temperature,
         "ignore_eos": True,
         "stream": True,
@@ -114,9 +143,7 @@ async def send_request(
                 if "error" in chunk:
                     result.error = chunk["error"].get("message")
                     return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices"):
+                if read_chunk(chunk, result):
                     now = time.perf_counter()
                     if last is None:
                         result.ttft = now - started
@@ -132,30 +159,29 @@ async def send_request(
 
 
 async def run_level(
-    client: httpx.AsyncClient,
-    args: argparse.Namespace,
-    prompts: list[list[int]],
+    send: Callable[[WorkItem], Awaitable[RequestResult]],
+    items: list[WorkItem],
     concurrency: int,
+    request_rate: float,
+    seed: int,
     progress: tqdm,
 ) -> tuple[list[RequestResult], float]:
-    """All prompts at most ``concurrency`` at a time; returns the results and the wall time."""
+    """All items at most ``concurrency`` at a time; returns the results and the wall time."""
     limit = asyncio.Semaphore(concurrency)
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
 
-    async def one(prompt: list[int]) -> RequestResult:
+    async def one(item: WorkItem) -> RequestResult:
         async with limit:
-            result = await send_request(
-                client, args.model, prompt, args.output_len, args.temperature
-            )
+            result = await send(item)
         progress.update()
         return result
 
     started = time.perf_counter()
     tasks = []
-    for prompt in prompts:
-        tasks.append(asyncio.create_task(one(prompt)))
-        if math.isfinite(args.request_rate):
-            await asyncio.sleep(rng.expovariate(args.request_rate))
+    for item in items:
+        tasks.append(asyncio.create_task(one(item)))
+        if math.isfinite(request_rate):
+            await asyncio.sleep(rng.expovariate(request_rate))
     results = await asyncio.gather(*tasks)
     return results, time.perf_counter() - started
 
@@ -163,6 +189,8 @@ async def run_level(
 def summarize(concurrency: int, results: list[RequestResult], duration: float) -> LevelSummary:
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
+    counted_by = {r.counted_by for r in done}
+    prompt_tokens = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
     return LevelSummary(
         concurrency=concurrency,
         completed=len(done),
@@ -176,103 +204,235 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float) -
         itl_ms=percentiles([gap for r in done for gap in r.itls]),
         e2e_ms=percentiles([r.e2e for r in done]),
         errors=dict(Counter(r.error or "no tokens" for r in results if not r.ok)),
+        prompt_tokens_mean=float(np.mean(prompt_tokens)) if prompt_tokens else math.nan,
+        output_tokens_counted_by=counted_by.pop() if len(counted_by) == 1 else "mixed",
     )
 
 
+def set_throughput_ratios(levels: list[LevelSummary]) -> None:
+    """Each level's output throughput against the lowest concurrency level's."""
+    baseline = levels[0].output_throughput
+    for level in levels:
+        level.output_throughput_ratio = level.output_throughput / baseline if baseline else math.nan
+
+
 def markdown_table(levels: list[LevelSummary]) -> str:
-    def triple(stats: dict[str, float], scale: float = 1.0) -> str:
-        return " / ".join(f"{stats[f'p{p}'] / scale:,.0f}" for p in PERCENTILES)
+    def triple(stats: dict[str, float]) -> str:
+        return " / ".join(f"{stats[f'p{p}']:,.0f}" for p in PERCENTILES)
 
     lines = [
         "| concurrency | ok / failed | req/s | output tok/s | vs lowest | TTFT p50/p95/p99 (ms)"
-        " | TPOT p50/p95/p99 (ms) | ITL p50/p95/p99 (ms) | E2E p50/p95/p99 (ms) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " | TPOT p50/p95/p99 (ms) | ITL p50/p95/p99 (ms) | E2E p50/p95/p99 (ms) |"
+        " prompt tokens (mean) | load (1m) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for level in levels:
         lines.append(
             f"| {level.concurrency} | {level.completed} / {level.failed} | {level.request_throughput:.2f}"
             f" | {level.output_throughput:.1f} | {level.output_throughput_ratio:.2f}x"
             f" | {triple(level.ttft_ms)} | {triple(level.tpot_ms)} | {triple(level.itl_ms)}"
-            f" | {triple(level.e2e_ms)} |"
+            f" | {triple(level.e2e_ms)} | {level.prompt_tokens_mean:.0f}"
+            f" | {level.load_average_1m:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def plot(levels: list[LevelSummary], path: Path, title: str) -> None:
-    """Throughput and p95 TTFT against concurrency: where the curve bends is the cliff."""
+def report_markdown(report: dict[str, Any]) -> str:
+    """Each target's table and, per peer, the side-by-side table with ratios ours / peer."""
+    targets = [report, *report["against"]]
+    sections = [f"`{report['command']}`\n"]
+    if report["note"]:
+        sections.append(report["note"] + "\n")
+    for target in targets:
+        levels = [LevelSummary(**level) for level in target["levels"]]
+        heading = (
+            f"### {target['name']}: {target['model']} at {target['url']}\n\n"
+            if len(targets) > 1
+            else ""
+        )
+        sections.append(heading + markdown_table(levels))
+    for peer in report["against"]:
+        sections.append(
+            f"### {report['name']} vs {peer['name']} (ratio: {report['name']} / {peer['name']})\n\n"
+            + comparison_table(report["name"], report["levels"], peer["name"], peer["levels"])
+        )
+    return "\n".join(sections)
+
+
+RATIO_LINES = (
+    ("output_throughput_ratio", "tok/s", "o"),
+    ("itl_p50_ratio", "ITL p50", "s"),
+    ("ttft_p50_ratio", "TTFT p50", "^"),
+)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Throughput and p95 TTFT against concurrency per target (where a curve bends is the cliff);
+    with peers, also ITL p50 per target and the ratios ours / each peer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    concurrency = [level.concurrency for level in levels]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(concurrency, [level.output_throughput for level in levels], marker="o")
-    left.set_ylabel("output tokens / s")
-    right.plot(concurrency, [level.ttft_ms["p95"] for level in levels], marker="o", color="tab:red")
-    right.set_ylabel("p95 time to first token (ms)")
-    for axis in (left, right):
+    targets = [report, *report["against"]]
+    panels: list[tuple[str, Callable[[dict[str, Any]], float]]] = [
+        ("output tokens / s", lambda level: level["output_throughput"]),
+        ("p95 time to first token (ms)", lambda level: level["ttft_ms"]["p95"]),
+    ]
+    if report["against"]:
+        panels.append(("p50 inter-token latency (ms)", lambda level: level["itl_ms"]["p50"]))
+        figure, grid = plt.subplots(2, 2, figsize=(11, 8))
+        axes = list(grid.flat)
+    else:
+        figure, pair = plt.subplots(1, 2, figsize=(11, 4))
+        axes = list(pair)
+    concurrency = [level["concurrency"] for level in report["levels"]]
+    for axis, (label, value) in zip(axes, panels, strict=False):
+        for target in targets:
+            values = [value(level) for level in target["levels"]]
+            axis.plot(concurrency, values, marker="o", label=target["name"])
+        axis.set_ylabel(label)
+    for peer_name, ratios in report["ratios"].items():
+        for key, label, marker in RATIO_LINES:
+            values = [level[key] for level in ratios]
+            axes[3].plot(concurrency, values, marker=marker, label=f"{label} vs {peer_name}")
+    if report["against"]:
+        axes[3].axhline(1.0, color="grey", linewidth=0.8)
+        axes[3].set_ylabel(f"{report['name']} / peer")
+    for axis in axes:
         axis.set_xscale("log", base=2)
         axis.set_xticks(concurrency, [str(c) for c in concurrency])
         axis.set_xlabel("concurrency")
         axis.grid(True, alpha=0.3)
-    figure.suptitle(title)
+        if report["against"]:
+            axis.legend(fontsize=8)
+    figure.suptitle(", ".join(f"{t['name']}: {t['model']} at {t['url']}" for t in targets))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
+def host_info() -> dict[str, Any]:
+    from llmpool.bench.offline import cpu_model
+    from llmpool.engine.cpu_features import cpu_flags
+
+    simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+    return {
+        "cpu": cpu_model(),
+        "cpu_flags": simd,
+        "cpus": os.cpu_count(),
+        "load_average_1_5_15m": os.getloadavg(),
+    }
+
+
+async def first_model(client: httpx.AsyncClient) -> str:
+    models = (await client.get("/v1/models")).raise_for_status().json()
+    return str(models["data"][0]["id"])
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    targets: list[Target] = [args.url, *args.against]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # Idle connections expire before the server's keep-alive timeout (uvicorn: 5 s), or a reused
     # one can be closed under a request that was just sent on it.
     limits = httpx.Limits(max_connections=max(args.concurrency) + 8, keepalive_expiry=1.0)
-    async with httpx.AsyncClient(
-        base_url=args.url, headers=headers, timeout=None, limits=limits
-    ) as client:
-        if args.model is None:
-            models = (await client.get("/v1/models")).raise_for_status().json()
-            args.model = models["data"][0]["id"]
-        level_sizes = [
-            args.rounds * c if args.rounds else args.num_prompts for c in args.concurrency
-        ]
-        # Fresh prompts for the warm-up and for every level: a prefix cache must not carry
-        # one level's prompts into the next (only --shared-prefix-len is meant to be shared).
-        prompts = make_prompts(
-            1 + sum(level_sizes), args.input_len, args.shared_prefix_len, args.seed
-        )
-        warmup = await send_request(client, args.model, prompts.pop(), 2, args.temperature)
-        if not warmup.ok:
-            raise RuntimeError(f"warm-up request failed: {warmup.error}")
-        levels = []
-        with tqdm(total=sum(level_sizes), desc="bench serve", unit="req") as progress:
-            for concurrency, size in zip(args.concurrency, level_sizes, strict=True):
-                progress.set_postfix_str(f"concurrency {concurrency}")
-                level_prompts, prompts = prompts[:size], prompts[size:]
-                results, duration = await run_level(
-                    client, args, level_prompts, concurrency, progress
-                )
-                levels.append(summarize(concurrency, results, duration))
-    baseline = levels[0].output_throughput
-    for level in levels:
-        level.output_throughput_ratio = level.output_throughput / baseline if baseline else math.nan
+    clients = [
+        httpx.AsyncClient(base_url=t.url, headers=headers, timeout=None, limits=limits)
+        for t in targets
+    ]
+    sizes = [size for _, size in args.levels]
+    warmup, level_items = make_levels(
+        sizes, args.input_len, args.output_len, args.shared_prefix_len, args.seed
+    )
+    try:
+        models = [args.model or await first_model(clients[0])]
+        models += [await first_model(client) for client in clients[1:]]
+        for target, client, model in zip(targets, clients, models, strict=True):
+            result = await send_request(client, model, warmup, args.temperature)
+            if not result.ok:
+                raise RuntimeError(f"{target.name}: warm-up request failed: {result.error}")
+        levels: list[list[LevelSummary]] = [[] for _ in targets]
+        with tqdm(total=sum(sizes) * len(targets), desc="bench serve", unit="req") as progress:
+            for index, ((concurrency, _), items) in enumerate(
+                zip(args.levels, level_items, strict=True)
+            ):
+                # Alternate which target goes first, so that neither always runs right after
+                # the other one's load (or in the same slice of other work on a shared machine).
+                order = range(len(targets)) if index % 2 == 0 else reversed(range(len(targets)))
+                for t in order:
+                    progress.set_postfix_str(f"{targets[t].name} at concurrency {concurrency}")
+                    send = partial(
+                        send_request, clients[t], models[t], temperature=args.temperature
+                    )
+                    results, duration = await run_level(
+                        send, items, concurrency, args.request_rate, args.seed, progress
+                    )
+                    summary = summarize(concurrency, results, duration)
+                    summary.load_average_1m = os.getloadavg()[0]
+                    levels[t].append(summary)
+    finally:
+        for client in clients:
+            await client.aclose()
+    return build_report(args, targets, models, levels, host_info())
+
+
+def build_report(
+    args: argparse.Namespace,
+    targets: list[Target],
+    models: list[str],
+    levels: list[list[LevelSummary]],
+    host: dict[str, Any],
+) -> dict[str, Any]:
+    """The JSON report: ours at the top level (as without peers), peers under ``against``, and
+    per peer the ratios ours / peer at each level under ``ratios``."""
+    for target_levels in levels:
+        set_throughput_ratios(target_levels)
+    reports: list[dict[str, Any]] = [
+        {"name": t.name, "url": t.url, "model": m, "levels": [asdict(level) for level in lv]}
+        for t, m, lv in zip(targets, models, levels, strict=True)
+    ]
     return {
         "command": "llmpool bench serve " + shlex.join(args.argv),
-        "url": args.url,
-        "model": args.model,
-        "host": {"cpus": os.cpu_count(), "load_average_1_5_15m": os.getloadavg()},
+        **reports[0],
+        "against": reports[1:],
+        "ratios": {
+            peer["name"]: [
+                asdict(level_ratios(mine, theirs))
+                for mine, theirs in zip(reports[0]["levels"], peer["levels"], strict=True)
+            ]
+            for peer in reports[1:]
+        },
+        "note": args.note,
+        "host": host,
         "workload": {
-            "num_prompts": args.num_prompts,
-            "rounds": args.rounds,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "shared_prefix_len": args.shared_prefix_len,
+            "requests_per_level": [size for _, size in args.levels],
+            "input_words": str(args.input_len),
+            "output_tokens": str(args.output_len),
+            "shared_prefix_words": args.shared_prefix_len,
             "request_rate": args.request_rate,
             "temperature": args.temperature,
             "seed": args.seed,
         },
-        "levels": [asdict(level) for level in levels],
     }
+
+
+def plan_levels(
+    concurrency: list[int], num_prompts: list[int], rounds: int | None
+) -> list[tuple[int, int]]:
+    """(concurrency, requests) per level, lowest concurrency first; ``num_prompts`` has one
+    number for every level or one per level, and ``rounds`` (rounds x concurrency) overrides it."""
+    if len(num_prompts) not in (1, len(concurrency)):
+        raise ValueError("--num-prompts needs one number, or one per --concurrency level")
+    sizes = num_prompts * len(concurrency) if len(num_prompts) == 1 else num_prompts
+    if rounds:
+        sizes = [rounds * c for c in concurrency]
+    if min(concurrency + sizes) < 1:
+        raise ValueError("concurrency, num-prompts and rounds must be positive")
+    return sorted(zip(concurrency, sizes, strict=True))
+
+
+def comma_ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -281,14 +441,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    parser.add_argument("--model", default=None, help="model name; default: the server's first")
-    parser.add_argument("--api-key", default=None)
     parser.add_argument(
-        "--concurrency", type=lambda s: sorted(int(x) for x in s.split(",")), default=[1, 4, 16, 64]
+        "--url",
+        type=lambda spec: parse_target(spec, OURS),
+        default=parse_target("http://127.0.0.1:8000", OURS),
+        help=f"our server: URL or NAME=URL (default name {OURS!r})",
     )
     parser.add_argument(
-        "--num-prompts", type=int, default=64, help="requests per concurrency level"
+        "--against",
+        type=parse_target,
+        action="append",
+        default=[],
+        help="a peer server measured on the same requests: URL or NAME=URL (repeatable;"
+        " default name: its host:port); its model is its /v1/models first",
+    )
+    parser.add_argument("--model", default=None, help="our model name; default: the server's first")
+    parser.add_argument("--api-key", default=None, help="sent to every target")
+    parser.add_argument(
+        "--concurrency", type=comma_ints, default=[1, 4, 16, 64], help="levels, e.g. 1,16,64"
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=comma_ints,
+        default=[64],
+        help="requests per concurrency level: one number, or one per level (e.g. 8,64,64)",
     )
     parser.add_argument(
         "--rounds",
@@ -296,10 +472,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="instead of --num-prompts: rounds x concurrency requests",
     )
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
-    parser.add_argument("--output-len", type=int, default=64, help="output tokens")
     parser.add_argument(
-        "--shared-prefix-len", type=int, default=0, help="prompt tokens common to all"
+        "--input-len",
+        type=parse_length_range,
+        default=parse_length_range("128"),
+        help="prompt words: N or LOW-HIGH, drawn per request",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=parse_length_range,
+        default=parse_length_range("64"),
+        help="output tokens: N or LOW-HIGH, drawn per request",
+    )
+    parser.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="prompt words common to all"
     )
     parser.add_argument(
         "--request-rate",
@@ -311,18 +497,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results/serve"))
     parser.add_argument(
+        "--note", default="", help="recorded in the JSON and markdown (e.g. what else ran)"
+    )
+    parser.add_argument(
         "--name", default="serve", help="file name stem of the JSON, markdown and PNG"
     )
     args = parser.parse_args(argv)
-    sizes = (
-        min(args.concurrency),
-        args.num_prompts,
-        args.rounds or 1,
-        args.input_len,
-        args.output_len,
-    )
-    if min(sizes) < 1:
-        parser.error("concurrency, num-prompts, rounds, input-len and output-len must be positive")
+    try:
+        args.levels = plan_levels(args.concurrency, args.num_prompts, args.rounds)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.shared_prefix_len < 0:
+        parser.error("shared-prefix-len must not be negative")
+    try:
+        check_unique([args.url, *args.against])
+    except ValueError as error:
+        parser.error(str(error))
     args.argv = argv
     return args
 
@@ -332,15 +522,14 @@ def main(argv: list[str]) -> int:
     try:
         report = asyncio.run(run(args))
     except (httpx.HTTPError, RuntimeError) as error:
-        print(f"llmpool bench serve: {args.url}: {error}", file=sys.stderr)
+        print(f"llmpool bench serve: {error}", file=sys.stderr)
         return 1
     args.output_dir.mkdir(parents=True, exist_ok=True)
     stem = args.output_dir / args.name
-    levels = [LevelSummary(**level) for level in report["levels"]]
-    table = markdown_table(levels)
+    markdown = report_markdown(report)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(f"`{report['command']}`\n\n{table}")
-    plot(levels, stem.with_suffix(".png"), f"{report['model']} at {args.url}")
-    print(table, end="")
+    stem.with_suffix(".md").write_text(markdown)
+    plot(report, stem.with_suffix(".png"))
+    print(markdown, end="")
     print(f"wrote {stem}.json, {stem}.md and {stem}.png", file=sys.stderr)
     return 0
