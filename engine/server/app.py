@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -43,7 +42,7 @@ from llmpool.engine.server.protocol import (
     parse_completion_request,
     parse_json_body,
 )
-from llmpool.engine.server.responses import Choice, ResponseBuilder
+from llmpool.engine.server.responses import SSE_DONE, Choice, ResponseBuilder, sse_event
 from llmpool.engine.server.stats_log import log_stats_forever
 
 logger = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ class ServerSettings:
 class _SSEResponse(StreamingResponse):
     """Closes its generator when the client goes away, so the engine work is aborted at once."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
         super().__init__(
             content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -279,22 +278,21 @@ class OpenAIServer:
         builder: ResponseBuilder,
         parsed: GenerationRequest,
         prompt_tokens: int,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         completion_tokens = 0
         try:
             if builder.kind == "chat":
-                for index in range(len(stream.child_ids)):
-                    yield _sse(builder.role_chunk(index))
+                yield b"".join(builder.role_event(i) for i in range(len(stream.child_ids)))
             async for index, delta in stream:
                 completion_tokens += len(delta.new_token_ids)
-                yield _sse(builder.delta_chunk(index, delta))
+                yield builder.delta_event(index, delta)
             if parsed.include_usage:
-                yield _sse(builder.usage_chunk(prompt_tokens, completion_tokens))
+                yield builder.usage_event(prompt_tokens, completion_tokens)
         except (EngineStoppedError, RequestFailedError) as error:
-            yield _sse(_engine_error(error).body())
+            yield sse_event(_engine_error(error).body())
         finally:
             stream.abort()
-        yield "data: [DONE]\n\n"
+        yield SSE_DONE
 
     # --- the rest -----------------------------------------------------------------------------
 
@@ -330,10 +328,6 @@ class OpenAIServer:
     async def fingerprint(self, request: Request) -> Response:
         assert self._fingerprint is not None, "the lifespan starts the fingerprint task"
         return JSONResponse(await asyncio.shield(self._fingerprint))
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def warm_up(core: EngineCore) -> None:

@@ -2,8 +2,16 @@
 
 The engine core is synchronous and not thread-safe, so only the engine thread touches it. The
 event loop talks to that thread through one command queue (add, abort) and hears back through
-``loop.call_soon_threadsafe``, once per step. A request with ``n`` choices (or several prompts)
-is a group of child requests in the engine, merged into one stream of ``(index, delta)``.
+an outbox: each step appends its deltas, and only a step that finds the outbox empty wakes the
+loop (``loop.call_soon_threadsafe``), so the loop is woken at most once per step however many
+requests a step serves, and a loop that falls behind takes several steps' deltas in one turn. A
+request with ``n`` choices (or several prompts) is a group of child requests in the engine,
+merged into one stream of ``(index, delta)``.
+
+Both threads share the GIL: whatever Python the loop runs per token stalls the engine thread
+at its next Python line (a forward releases the GIL only inside torch ops), so the engine
+thread does per step only what must happen there (timings for metrics, one stats update), and
+the loop's per-token work is kept small (see ``responses.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -79,6 +88,9 @@ class _Abort:
     child_ids: list[str]
 
 
+_StreamItem = tuple[int, RequestDelta] | BaseException
+
+
 class RequestStream:
     """The merged deltas of one request group; ``abort()`` (idempotent) frees its engine work."""
 
@@ -86,14 +98,26 @@ class RequestStream:
         self._engine = engine
         self.child_ids = child_ids
         self._unfinished = set(range(len(child_ids)))
-        self._queue: asyncio.Queue[tuple[int, RequestDelta] | BaseException] = asyncio.Queue()
+        self._items: deque[_StreamItem] = deque()
+        self._waiter: asyncio.Future[None] | None = None
 
-    def _put(self, item: tuple[int, RequestDelta] | BaseException) -> None:
-        self._queue.put_nowait(item)
+    def _put(self, item: _StreamItem) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _next(self) -> _StreamItem:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         while self._unfinished:
-            item = await self._queue.get()
+            item = await self._next()
             if isinstance(item, BaseException):
                 self._unfinished.clear()
                 raise item
@@ -122,6 +146,9 @@ class AsyncEngine:
         self.observer = observer or StepObserver()
         self._commands: queue.SimpleQueue[_AddGroup | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[RequestStream, int]] = {}
+        # Deltas the engine thread handed over and the loop has not dispatched yet.
+        self._outbox: list[RequestDelta] = []
+        self._outbox_lock = threading.Lock()
         self._timings: dict[str, _RequestTiming] = {}  # engine thread only
         # Children submitted but not yet scheduled once: the queue that admission control bounds.
         self._unscheduled: set[str] = set()
@@ -202,7 +229,9 @@ class AsyncEngine:
         with self._unscheduled_lock:
             self._unscheduled.difference_update(child_ids)
 
-    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+    def _drain_outbox(self) -> None:
+        with self._outbox_lock:
+            deltas, self._outbox = self._outbox, []
         for delta in deltas:
             entry = self._streams.get(delta.request_id)
             if entry is None:
@@ -255,7 +284,8 @@ class AsyncEngine:
                 self._add_group(command)
             elif isinstance(command, _Abort):
                 self._abort_in_engine(command.child_ids)
-        self.observer.on_stats(self.core.stats())
+        if commands:
+            self.observer.on_stats(self.core.stats())
 
     def _add_group(self, command: _AddGroup) -> None:
         if not command.accepted.set_running_or_notify_cancel():
@@ -307,10 +337,20 @@ class AsyncEngine:
                 self.observer.on_finished(delta.finish_reason or "", now - timing.arrival_time)
         self.observer.on_stats(self.core.stats())
         if deltas:
-            self._call_soon(self._dispatch, deltas)
+            self._hand_off(deltas)
+
+    def _hand_off(self, deltas: list[RequestDelta]) -> None:
+        """Give a step's deltas to the loop; wake it only if it has nothing left to dispatch."""
+        with self._outbox_lock:
+            wake = not self._outbox
+            self._outbox.extend(deltas)
+        if wake:
+            self._call_soon(self._drain_outbox)
 
     def _note_first_scheduled(self, step_started: float) -> None:
         """Queue time ends when a child first leaves the waiting queue (read after the step)."""
+        if not self._unscheduled:  # the usual decode step: nobody waits for a first schedule
+            return
         with self._unscheduled_lock:
             pending = list(self._unscheduled)
         requests = self.core.scheduler.requests

@@ -14,7 +14,7 @@ from typing import Any
 import uvicorn
 
 from llmpool import pinning
-from llmpool.engine.config import EngineConfig
+from llmpool.engine.config import QUANTIZATIONS, EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.model_source import RevisionMismatchError
 from llmpool.engine.server.app import ServerSettings, build_app
@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction, default=True,
     )  # fmt: skip
     flags.add(
-        "--quantization", "weight quantization: none or int8 (weight-only)",
-        choices=["none", "int8"], default="none",
+        "--quantization",
+        "weight-only quantization: none, int8 (per output channel) or int4 (groups of 32)",
+        choices=list(QUANTIZATIONS), default="none",
     )  # fmt: skip
     flags.add(
         "--kv-cache-dtype", "KV-cache dtype: auto (the model's) or fp8 (e4m3)",

@@ -1,7 +1,14 @@
-"""OpenAI response bodies and stream chunks for completions and chat, built from engine deltas."""
+"""OpenAI response bodies and stream events for completions and chat, built from engine deltas.
+
+A stream event is the bytes of one server-sent event (``data: {json}\n\n``). Every chunk of a
+request shares its envelope (id, object, created, model), so that part is serialized once per
+request and each token only serializes its own choice: the event loop runs this once per token
+while holding the GIL the engine thread needs.
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +56,9 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs
+        envelope = json.dumps(self._chunk_envelope(), ensure_ascii=False)
+        # The chunk envelope with its closing brace replaced by the start of the choices list.
+        self._chunk_prefix = f'data: {envelope[:-1]}, "choices": ['.encode()
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -83,41 +93,46 @@ class ResponseBuilder:
             body = self._envelope("text_completion")
         return {**body, "choices": rendered, "usage": usage(prompt_tokens, completion_tokens)}
 
-    # --- stream chunks ------------------------------------------------------------------------
+    # --- stream events ------------------------------------------------------------------------
 
-    def role_chunk(self, index: int) -> dict[str, Any]:
+    def role_event(self, index: int) -> bytes:
         """Chat streams open each choice with the assistant role, as OpenAI does."""
-        return self._chunk(index, {"delta": {"role": "assistant", "content": ""}, "logprobs": None})
-
-    def delta_chunk(self, index: int, delta: RequestDelta) -> dict[str, Any]:
-        logprobs = self._logprobs(delta.new_token_ids, delta.new_logprobs)
-        if self.kind == "chat":
-            content = {"delta": {"content": delta.new_text} if delta.new_text else {}}
-        else:
-            content = {"text": delta.new_text}
-        return self._chunk(
-            index,
+        return self._event(
             {
-                **content,
-                "logprobs": logprobs,
-                "finish_reason": delta.finish_reason if delta.finished else None,
-                "stop_reason": delta.stop_reason if delta.finished else None,
-            },
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
         )
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {
-            **self._chunk_envelope(),
-            "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens),
-        }
+    def delta_event(self, index: int, delta: RequestDelta) -> bytes:
+        choice: dict[str, Any] = {"index": index}
+        if self.kind == "chat":
+            choice["delta"] = {"content": delta.new_text} if delta.new_text else {}
+        else:
+            choice["text"] = delta.new_text
+        choice["logprobs"] = self._logprobs(delta.new_token_ids, delta.new_logprobs)
+        choice["finish_reason"] = delta.finish_reason if delta.finished else None
+        choice["stop_reason"] = delta.stop_reason if delta.finished else None
+        return self._event(choice)
+
+    def usage_event(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return sse_event(
+            {
+                **self._chunk_envelope(),
+                "choices": [],
+                "usage": usage(prompt_tokens, completion_tokens),
+            }
+        )
 
     def _chunk_envelope(self) -> dict[str, Any]:
         return self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion")
 
-    def _chunk(self, index: int, choice: dict[str, Any]) -> dict[str, Any]:
-        choice.setdefault("finish_reason", None)
-        return {**self._chunk_envelope(), "choices": [{"index": index, **choice}]}
+    def _event(self, choice: dict[str, Any]) -> bytes:
+        """The chunk ``{**envelope, "choices": [choice]}`` as an event, envelope pre-serialized."""
+        body = json.dumps(choice, ensure_ascii=False).encode()
+        return b"".join((self._chunk_prefix, body, b"]}\n\n"))
 
     # --- logprobs -----------------------------------------------------------------------------
 
@@ -164,6 +179,13 @@ class ResponseBuilder:
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def _offsets(tokens: list[str]) -> list[int]:

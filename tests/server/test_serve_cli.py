@@ -44,6 +44,7 @@ def test_every_flag_can_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
     ("flags", "name"),
     [
         (["--quantization", "int8"], "quantization"),
+        (["--quantization", "int4"], "quantization"),
         (["--kv-cache-dtype", "fp8"], "kv_cache_dtype"),
         (["--priority-class", "batch"], "priority_class"),
         (["--max-request-priority", "interactive"], "max_request_priority"),
