@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import shlex
 import socket
@@ -49,6 +48,7 @@ from typing import Any
 import httpx
 import torch
 
+from llmpool.bench.offline import cpu_model
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.sampling_params import SamplingParams
@@ -57,16 +57,6 @@ RESULTS = Path(__file__).parent / "results" / "server_overhead.json"
 LLMPOOL = str(Path(sys.executable).parent / "llmpool")
 PROMPT_TOKEN_RANGE = (1000, 20000)  # clear of special tokens, as `llmpool bench serve` draws
 START_TIMEOUT_S = 300
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def percentile(values: list[float], fraction: float) -> float:

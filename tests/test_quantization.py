@@ -134,19 +134,31 @@ def test_int8_weights_are_at_least_3_5x_smaller(
     assert abs(weight_bytes(int8_engine.model) / estimate - 1) < 0.02
 
 
-def test_int8_greedy_agreement_and_perplexity(
-    fp32_engine: EngineCore, int8_engine: EngineCore
+@pytest.mark.parametrize(
+    ("quantization", "min_agreement", "max_perplexity_ratio"),
+    [
+        ("int8", INT8_MIN_AGREEMENT, INT8_MAX_PERPLEXITY_RATIO),
+        ("int4", INT4_MIN_AGREEMENT, INT4_MAX_PERPLEXITY_RATIO),
+    ],
+)
+def test_greedy_agreement_and_perplexity(
+    fp32_engine: EngineCore,
+    request: pytest.FixtureRequest,
+    quantization: str,
+    min_agreement: float,
+    max_perplexity_ratio: float,
 ) -> None:
+    quantized_engine: EngineCore = request.getfixturevalue(f"{quantization}_engine")
     share = agreement(
-        greedy(fp32_engine, AGREEMENT_PROMPTS), greedy(int8_engine, AGREEMENT_PROMPTS)
+        greedy(fp32_engine, AGREEMENT_PROMPTS), greedy(quantized_engine, AGREEMENT_PROMPTS)
     )
-    assert share >= INT8_MIN_AGREEMENT, f"int8 greedy agreement {share:.3f}"
+    assert share >= min_agreement, f"{quantization} greedy agreement {share:.3f}"
     reference, quantized = (
         perplexity(fp32_engine, PERPLEXITY_TEXT),
-        perplexity(int8_engine, PERPLEXITY_TEXT),
+        perplexity(quantized_engine, PERPLEXITY_TEXT),
     )
-    assert quantized / reference <= INT8_MAX_PERPLEXITY_RATIO, (
-        f"perplexity float32 {reference:.3f}, int8 {quantized:.3f}"
+    assert quantized / reference <= max_perplexity_ratio, (
+        f"perplexity float32 {reference:.3f}, {quantization} {quantized:.3f}"
     )
 
 
@@ -201,22 +213,6 @@ def test_int4_weights_read_less_per_decode_step_than_llama_cpp_q4_1(
     assert ratio >= 5.5, f"int4 weights are {ratio:.2f}x smaller than float32"
     estimate = capacity.weight_bytes(int4_engine.capacity_shape, "float32", "int4")
     assert abs(held / estimate - 1) < 0.02
-
-
-def test_int4_greedy_agreement_and_perplexity(
-    fp32_engine: EngineCore, int4_engine: EngineCore
-) -> None:
-    share = agreement(
-        greedy(fp32_engine, AGREEMENT_PROMPTS), greedy(int4_engine, AGREEMENT_PROMPTS)
-    )
-    assert share >= INT4_MIN_AGREEMENT, f"int4 greedy agreement {share:.3f}"
-    reference, quantized = (
-        perplexity(fp32_engine, PERPLEXITY_TEXT),
-        perplexity(int4_engine, PERPLEXITY_TEXT),
-    )
-    assert quantized / reference <= INT4_MAX_PERPLEXITY_RATIO, (
-        f"perplexity float32 {reference:.3f}, int4 {quantized:.3f}"
-    )
 
 
 def test_every_quantization_is_offered_by_config_plan_and_crd() -> None:

@@ -99,6 +99,15 @@ def wait_pool_ready(cluster: ClusterHandle, namespace: str, name: str) -> dict[s
     return wait_for(f"LLMPool {name} Ready", probe, ENGINE_START_SECONDS, interval=2)
 
 
+def apply_examples(cluster: ClusterHandle, namespace: str) -> list[dict[str, Any]]:
+    """Apply both examples (at TEST_SIZES) and return the pools once both are Ready."""
+    cluster.apply(*example_documents(), namespace=namespace)
+    with ThreadPoolExecutor(2) as pool_waiters:
+        return list(
+            pool_waiters.map(lambda name: wait_pool_ready(cluster, namespace, name), TEST_SIZES)
+        )
+
+
 def release_pods(cluster: ClusterHandle, namespace: str, component: str) -> list[dict[str, Any]]:
     """The release's live pods of one component: operator or gateway."""
     selector = f"{INSTANCE_LABEL},app.kubernetes.io/component={component}"
@@ -213,13 +222,7 @@ def test_install_serve_upgrade_uninstall(
         # engine image, is always allowed) and mount no node path.
         assert "--allowed-image=ghcr.io/llmpool/llmpool" in pod["spec"]["containers"][0]["args"]
 
-        cluster.apply(*example_documents(), namespace=pools_namespace)
-        with ThreadPoolExecutor(2) as pool_waiters:
-            ready = list(
-                pool_waiters.map(
-                    lambda name: wait_pool_ready(cluster, pools_namespace, name), TEST_SIZES
-                )
-            )
+        ready = apply_examples(cluster, pools_namespace)
         for pool in ready:
             name = pool["metadata"]["name"]
             status = pool["status"]
@@ -385,13 +388,7 @@ def test_in_cluster_endpoint_scaling_security_and_drift(
         *install_args(namespace, f"watchNamespaces={{{pools_namespace}}}", f"engineImage={IMAGE}"),
     )
     try:
-        cluster.apply(*example_documents(), namespace=pools_namespace)
-        with ThreadPoolExecutor(2) as pool_waiters:
-            ready = list(
-                pool_waiters.map(
-                    lambda name: wait_pool_ready(cluster, pools_namespace, name), TEST_SIZES
-                )
-            )
+        ready = apply_examples(cluster, pools_namespace)
 
         # status.endpoint, as a client pod sees it: CoreDNS, then the ClusterIP, then a replica.
         for pool in ready:
