@@ -3,9 +3,9 @@ image loading.
 
 The e2e containerd is its own instance (socket in the state directory), so it never meets a
 containerd that Docker or the system runs. Its root, which holds the images, lives in the
-build cache and outlives ``e2e/cluster down``, as loaded images outlive a kind cluster's pods
-on a laptop: a warm ``up`` does not import the project's image again. Everything else (its
-state, pods, sandboxes) goes with the cluster.
+build cache and outlives ``e2e/cluster down`` (unlike a kind node's), so a warm ``up`` does not
+import the several-GB project image again. Everything else (its state, pods, sandboxes) goes
+with the cluster.
 """
 
 from __future__ import annotations
