@@ -25,7 +25,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,46 +37,17 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmpool.bench.launch import free_port, start_server
 from llmpool.gateway.app import GatewaySettings, build_app
 from llmpool.gateway.pools import Pool, PoolTable
 
 RESULTS = Path(__file__).parent / "results"
-LLMPOOL = str(Path(sys.executable).parent / "llmpool")
 MODEL = "smollm2-135m-instruct"
 WORDS = ("library", "branch", "loan", "renewal", "reservation", "fine", "opening", "hours",
          "member", "card", "film", "music", "e-book", "children", "policy", "question", "polite",
          "brief", "table", "clarify")  # fmt: skip
 QUESTIONS = ["How do I renew a book?", "Is the branch open on Sunday?", "Can I reserve a film?",
              "What if I return a book late?", "How many items can I borrow?"]  # fmt: skip
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_replica(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [LLMPOOL, "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()[-2000:]
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"replica not ready: {log}")
 
 
 def start_gateway(urls: list[str]) -> tuple[uvicorn.Server, str]:
@@ -259,7 +229,10 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="gateway_routing_"))  # replica logs, kept for a look
     serve_args = ["--max-model-len", str(args.system_tokens + 512), "--max-num-seqs", "16",
                   "--kv-cache-memory", args.kv_cache_memory, "--no-access-log"]  # fmt: skip
-    replicas = [start_replica(serve_args, logs / f"replica-{i}.log") for i in range(args.replicas)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    replicas = [
+        start_server(serve_args, logs / f"replica-{i}.log", env=env) for i in range(args.replicas)
+    ]
     urls = [url for _, url in replicas]
     server, gateway_url = start_gateway(urls)
     results: dict = {"settings": vars(args) | {"out": str(args.out)}, "policies": {}}

@@ -35,9 +35,7 @@ import json
 import os
 import random
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,13 +46,13 @@ from typing import Any
 import httpx
 import torch
 
+from llmpool.bench.launch import start_server
 from llmpool.bench.offline import cpu_model
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "server_overhead.json"
-LLMPOOL = str(Path(sys.executable).parent / "llmpool")
 PROMPT_TOKEN_RANGE = (1000, 20000)  # clear of special tokens, as `llmpool bench serve` draws
 START_TIMEOUT_S = 300
 
@@ -105,32 +103,6 @@ class Offline:
         return result[0]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(dtype: str, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    command = [LLMPOOL, "serve", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"llmpool serve exited:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"llmpool serve was not ready after {START_TIMEOUT_S}s")
-
-
 def stream_once(
     client: httpx.Client, prompt: list[int], max_tokens: int
 ) -> tuple[list[float], int, str]:
@@ -166,7 +138,9 @@ def measure(
     dtype: str, prompt: list[int], max_tokens: int, requests: int, log_dir: Path
 ) -> dict[str, Any]:
     """One offline, one engine-thread and one served request per round, ``requests`` rounds."""
-    process, url = start_server(dtype, log_dir / f"server-{dtype}.log")
+    process, url = start_server(
+        ["--dtype", dtype], log_dir / f"server-{dtype}.log", timeout=START_TIMEOUT_S
+    )
     try:
         offline = Offline(dtype)
         gaps: dict[str, list[float]] = {"offline": [], "engine_thread": [], "served": []}
