@@ -127,10 +127,7 @@ class Clients:
     def import_archive(self, archive: Path) -> None:
         """Import an OCI or ``docker save`` archive and unpack it for the overlayfs snapshotter."""
         with archive.open("rb") as stream:
-            self.ctr(
-                "images", "import", "--snapshotter=overlayfs", "-",
-                stdin=stream.fileno(), timeout=1800,
-            )  # fmt: skip
+            self._import(stream.fileno())
 
     def import_from_docker(self, image: str) -> None:
         """``docker save IMAGE | ctr images import -``: what ``kind load docker-image`` does."""
@@ -140,14 +137,14 @@ class Clients:
         save = subprocess.Popen([docker, "save", image], stdout=subprocess.PIPE)
         assert save.stdout is not None
         try:
-            self.ctr(
-                "images", "import", "--snapshotter=overlayfs", "-",
-                stdin=save.stdout.fileno(), timeout=1800,
-            )  # fmt: skip
+            self._import(save.stdout.fileno())
         finally:
             save.stdout.close()
             if save.wait() != 0:
                 raise ContainerRuntimeError(f"docker save {image} exited {save.returncode}")
+
+    def _import(self, stdin: int) -> None:
+        self.ctr("images", "import", "--snapshotter=overlayfs", "-", stdin=stdin, timeout=1800)
 
     def remove_pods(self) -> None:
         """Stop and remove every pod sandbox (and its containers and network) the CRI holds."""

@@ -108,6 +108,13 @@ def apply_examples(cluster: ClusterHandle, namespace: str) -> list[dict[str, Any
         )
 
 
+def delete_pools(cluster: ClusterHandle, namespace: str) -> None:
+    """Delete the pools while the operator still runs: it removes their finalizers."""
+    cluster.run(
+        "kubectl", "delete", "llmpool", "--all", "-n", namespace, "--timeout=120s", timeout=180
+    )
+
+
 def release_pods(cluster: ClusterHandle, namespace: str, component: str) -> list[dict[str, Any]]:
     """The release's live pods of one component: operator or gateway."""
     selector = f"{INSTANCE_LABEL},app.kubernetes.io/component={component}"
@@ -284,11 +291,7 @@ def test_install_serve_upgrade_uninstall(
 
         wait_for("the upgraded operator to reconcile the patched pool", reconciled, 120)
 
-        # The operator removes its finalizers while it still runs: delete pools first.
-        cluster.run(
-            "kubectl", "delete", "llmpool", "--all", "-n", pools_namespace, "--timeout=120s",
-            timeout=180,
-        )  # fmt: skip
+        delete_pools(cluster, pools_namespace)
     finally:
         helm(cluster, "uninstall", RELEASE, "-n", namespace, "--wait", "--timeout=120s")
 
@@ -480,10 +483,7 @@ def test_in_cluster_endpoint_scaling_security_and_drift(
                 "get", "events", "-n", pools_namespace, "--field-selector", f"reason={reason}"
             )
             assert drifted in events, f"no {reason} Event names {drifted}: {events}"
-        cluster.run(
-            "kubectl", "delete", "llmpool", "--all", "-n", pools_namespace, "--timeout=120s",
-            timeout=180,
-        )  # fmt: skip
+        delete_pools(cluster, pools_namespace)
     finally:
         helm(cluster, "uninstall", RELEASE, "-n", namespace, "--wait", "--timeout=120s")
 
