@@ -22,9 +22,11 @@ streams.
     OMP_NUM_THREADS=1 python benchmarks/server_overhead.py --dtypes bfloat16 float32 \
         --max-tokens 96 --requests 3
 
-With two intra-op threads on a 2-core machine, compare the engine-thread baseline too: there
-the offline engine stepped from the main thread and from a second thread differ by more than
-the server adds (see the JSON's ``itl_ms``).
+The engine-thread baseline runs in a process whose main thread already ran the engine, so it
+holds two OpenMP teams; with two intra-op threads on 2 cores that costs about 2x per token (GNU
+OpenMP's workers stop spinning once the process has more OpenMP threads than CPUs). The server
+avoids it: it loads the model in a thread that has ended and warms up in the engine thread, so
+the engine thread's team is its only one, and served ITL is compared with the offline one.
 """
 
 from __future__ import annotations

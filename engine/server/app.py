@@ -124,8 +124,7 @@ class OpenAIServer:
         # Before the port opens: /ready must mean "a forward pass has run", so that a request
         # held for a replica (a gateway scaling a pool from zero) never meets kernels that
         # still compile or memory that is still untouched.
-        await asyncio.to_thread(warm_up, self.core)
-        self.engine.start()
+        await self.engine.start(prepare=lambda: warm_up(self.core))
         # Digests of the loaded files take seconds; start now so /fingerprint answers fast.
         self._fingerprint = asyncio.create_task(
             asyncio.to_thread(

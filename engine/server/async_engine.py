@@ -8,6 +8,14 @@ requests a step serves, and a loop that falls behind takes several steps' deltas
 request with ``n`` choices (or several prompts) is a group of child requests in the engine,
 merged into one stream of ``(index, delta)``.
 
+Only the engine thread runs torch once the server is up: the warm-up runs there too, before its
+loop (``start(prepare=...)``), and ``llmpool serve`` builds the core in a thread that has ended
+before this one starts. GNU OpenMP keeps a team of worker threads per thread that ever ran a
+parallel region, and once the process holds more OpenMP threads than CPUs, every worker sleeps
+between regions instead of spinning; a decode step runs hundreds of small parallel regions, so a
+second team (a core built on the main thread, a warm-up in an executor thread) cost 2x per token
+on 2 cores (``benchmarks/server_overhead.py``).
+
 Both threads share the GIL: whatever Python the loop runs per token stalls the engine thread
 at its next Python line (a forward releases the GIL only inside torch ops), so the engine
 thread does per step only what must happen there (timings for metrics, one stats update), and
@@ -160,10 +168,18 @@ class AsyncEngine:
 
     # --- lifecycle (event loop) --------------------------------------------------------------
 
-    def start(self) -> None:
+    async def start(self, prepare: Callable[[], None] | None = None) -> None:
+        """Start the engine thread; ``prepare`` (the warm-up) runs first in that thread.
+
+        Returns once ``prepare`` has run, and raises what it raised (the thread then ends).
+        """
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        prepared: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(prepare, prepared), name="engine-loop", daemon=True
+        )
         self._thread.start()
+        await asyncio.wrap_future(prepared)
 
     @property
     def running(self) -> bool:
@@ -249,7 +265,17 @@ class AsyncEngine:
 
     # --- the engine thread -------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(
+        self, prepare: Callable[[], None] | None, prepared: concurrent.futures.Future[None]
+    ) -> None:
+        try:
+            if prepare is not None:
+                prepare()
+        except BaseException as error:
+            self._stopping = True
+            prepared.set_exception(error)
+            return
+        prepared.set_result(None)
         try:
             while not self._stopping:
                 self._apply_commands(block=not self.core.has_unfinished_requests())

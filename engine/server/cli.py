@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -196,6 +197,14 @@ def _keep_exit_status_zero() -> None:
         signal.signal(sig, lambda *_: None)
 
 
+def _build_core(config: EngineConfig) -> EngineCore:
+    """Load in a thread that ends before the engine thread starts, so that the OpenMP worker
+    threads the load spawned end with it and the engine thread's team is the process's only one
+    (see ``async_engine``)."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-load") as loader:
+        return loader.submit(EngineCore, config).result()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_ARGUMENTS
 
     try:
-        core = EngineCore(config)
+        core = _build_core(config)
     except RevisionMismatchError as error:
         logger.error("%s", error)
         _write_termination_log(str(error))

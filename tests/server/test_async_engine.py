@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -111,7 +112,7 @@ def children(count: int, max_tokens: int = 3) -> list[ChildRequest]:
 
 async def started(core: ScriptedCore, max_queue: int = 100) -> AsyncEngine:
     engine = AsyncEngine(core, max_queue)  # type: ignore[arg-type]
-    engine.start()
+    await engine.start()
     return engine
 
 
@@ -235,3 +236,24 @@ async def test_a_lagging_loop_gets_every_token_in_order_with_one_wake_up() -> No
         assert [d.finished for d in deltas] == [False] * 39 + [True]
     assert wake_ups < core.steps  # the steps that ended during the block shared a wake-up
     await engine.shutdown()
+
+
+async def test_prepare_runs_in_the_engine_thread_before_start_returns() -> None:
+    ran_in: list[str] = []
+    engine = AsyncEngine(ScriptedCore(), 10)  # type: ignore[arg-type]
+    await engine.start(prepare=lambda: ran_in.append(threading.current_thread().name))
+    assert ran_in == ["engine-loop"]
+    assert engine.running
+    await engine.shutdown()
+
+
+async def test_a_failing_prepare_fails_start_and_leaves_no_engine_running() -> None:
+    def prepare() -> None:
+        raise RuntimeError("warm-up failed")
+
+    engine = AsyncEngine(ScriptedCore(), 10)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        await engine.start(prepare=prepare)
+    assert not engine.running
+    with pytest.raises(EngineStoppedError):
+        await engine.submit("r", children(1))
