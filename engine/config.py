@@ -98,6 +98,9 @@ class EngineConfig:
     kv_cache_dtype: str = (
         "auto"  # auto: the model's dtype; fp8: e4m3 (per-layer scales calibrated at load)
     )
+    # Compile the decoder with inductor at start (CPU; needs a C++ compiler): fused per-layer
+    # ops, every batch size compiled before the first request (engine/compilation.py).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from llmpool import capacity
-from llmpool.engine import model_source
+from llmpool.engine import compilation, model_source
 from llmpool.engine.admission import Limits, admit
 from llmpool.engine.attention import check_kv_cache_dtype, select_backend
 from llmpool.engine.config import EngineConfig
@@ -121,6 +121,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
         )
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv_cache_manager, self.device)
+        if config.compile:
+            self._compile()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.limits = Limits(
             vocab_size=self.shape.vocab_size,
@@ -142,6 +144,24 @@ class EngineCore:
             self.max_model_len,
             config.quantization,
             self.kv_dtype_name,
+        )
+
+    def _compile(self) -> None:
+        compilation.check_can_compile(self.device)
+        started = time.monotonic()
+        max_tokens = min(
+            self.config.max_num_batched_tokens,
+            self.max_model_len,
+            self.kv_cache_manager.num_total_blocks * self.config.block_size,
+        )
+        graphs = compilation.compile_decoder(
+            self.model, self.kv_caches, self.config.block_size, max_tokens
+        )
+        logger.info(
+            "compiled the decoder: %d graphs for 1..%d tokens in %.0f s",
+            graphs,
+            max_tokens,
+            time.monotonic() - started,
         )
 
     def _calibrate_fp8_kv_scales(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmpool.engine import LLM, SamplingParams
+from llmpool.engine.compilation import num_compiled_graphs
 
 pytestmark = pytest.mark.slow
 
@@ -17,6 +18,8 @@ CONFIGS = {
     "preemption": {"num_kv_blocks": 40, "max_model_len": 640},
     "block-size-1": {"block_size": 1},
     "block-size-32": {"block_size": 32},
+    # The inductor-compiled decoder, at batch sizes across the GEMM thresholds (1, 2..64, 65+).
+    "compiled": {"compile": True, "max_num_batched_tokens": 256},
 }
 
 
@@ -31,11 +34,13 @@ def test_greedy_matches_transformers(
     params = SamplingParams(
         temperature=0, max_tokens=reference_new_tokens, min_tokens=reference_new_tokens
     )
+    graphs_before = num_compiled_graphs()
     outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.prompt_token_ids == prompt
         assert output.outputs[0].token_ids == hf_greedy_reference[tuple(prompt)]
         assert output.outputs[0].finish_reason == "length"
+    assert num_compiled_graphs() == graphs_before, "every size was compiled at start"
     if "num_kv_blocks" in config:
         assert llm.num_preemptions > 0
     stats = llm.stats()

@@ -32,3 +32,19 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+    @classmethod
+    def one_sequence(
+        cls, num_tokens: int, block_size: int, device: torch.device
+    ) -> AttentionMetadata:
+        """A prefill of ``num_tokens`` tokens written from slot 0, blocks ``0, 1, ...`` in order."""
+        num_blocks = -(-num_tokens // block_size)
+        return cls(
+            slot_mapping=torch.arange(num_tokens, device=device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            block_size=block_size,
+        )

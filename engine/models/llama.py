@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from llmpool.engine.attention import AttentionMetadata, Backend
+from llmpool.engine.attention.step import attention, step_attention
 from llmpool.engine.models.linear import Linear, linear
 
 
@@ -122,19 +123,17 @@ class LlamaLayer(nn.Module):
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        attention_plan: Any,
         cos_sin_cache: torch.Tensor,
         backend: Backend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer inside ``step_attention``: ``(hidden, residual)`` for the next one."""
         shape = self.shape
-        eps = shape.rms_norm_eps
         if residual is None:
             residual = hidden
-            hidden = backend.rms_norm(hidden, self.input_layernorm, eps)
+            hidden = backend.rms_norm(hidden, self.input_layernorm, shape.rms_norm_eps)
         else:
             hidden, residual = backend.fused_add_rms_norm(
-                hidden, residual, self.input_layernorm, eps
+                hidden, residual, self.input_layernorm, shape.rms_norm_eps
             )
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
@@ -143,16 +142,12 @@ class LlamaLayer(nn.Module):
         value = value.view(num_tokens, shape.num_kv_heads, shape.head_dim)
         query, key = backend.rotary_embedding(positions, query, key, cos_sin_cache)
         key_cache, value_cache = kv_cache
-        backend.write_kv(
-            key, value, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
-        )
-        attended = backend.paged_attention(
-            query, key_cache, value_cache, attention_plan, self.scale, self.k_scale, self.v_scale
+        attended = attention(
+            query, key, value, key_cache, value_cache, self.scale, self.k_scale, self.v_scale
         )
         hidden = self.o_proj(attended.view(num_tokens, -1))
-
         hidden, residual = backend.fused_add_rms_norm(
-            hidden, residual, self.post_attention_layernorm, eps
+            hidden, residual, self.post_attention_layernorm, shape.rms_norm_eps
         )
         gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up), residual
@@ -183,24 +178,35 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm."""
-        attention_plan = self.backend.plan(meta)
+        with step_attention(self.backend, meta):
+            return self.decoder(input_ids, positions, kv_caches)
+
+    def decoder(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Embeddings, layers and final norm: what ``compile_decoder()`` compiles (attention excepted)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(
-                hidden,
-                residual,
-                positions,
-                kv_cache,
-                meta,
-                attention_plan,
-                self.cos_sin_cache,
-                self.backend,
+                hidden, residual, positions, kv_cache, self.cos_sin_cache, self.backend
             )
         hidden, _ = self.backend.fused_add_rms_norm(
             hidden, residual, self.norm, self.shape.rms_norm_eps
         )
         return hidden
+
+    def compile_decoder(self) -> None:
+        """Compile ``decoder`` with inductor, sizes dynamic (one token gets its own graph).
+
+        Each layer's attention stays one opaque op (``attention.step``); everything else of a
+        step (norms, residual adds, rotary, activations, GEMM calls) becomes one graph whose
+        small ops are fused, so a decode step runs a few dozen kernels instead of ~1,000 ops.
+        """
+        self.decoder = torch.compile(self.decoder, dynamic=True)  # type: ignore[method-assign]
 
     @torch.inference_mode()
     def measure_kv_amax(
@@ -223,15 +229,7 @@ class LlamaForCausalLM(nn.Module):
             )
             for _ in self.layers
         ]
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=device),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-            block_size=block_size,
-        )
+        meta = AttentionMetadata.one_sequence(num_tokens, block_size, device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         self(input_ids, torch.arange(num_tokens, device=device), kv_caches, meta)
         amax = torch.stack(

@@ -34,6 +34,7 @@ OPTIONAL_ENGINE_SETTINGS: dict[str, Any] = {
     "kv_cache_dtype": "auto",
     "priority_class": "interactive",
     "max_request_priority": None,
+    "compile": False,
 }
 
 
@@ -123,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(
         "--kv-cache-dtype", "KV-cache dtype: auto (the model's) or fp8 (e4m3)",
         choices=["auto", "fp8"], default="auto",
+    )  # fmt: skip
+    flags.add(
+        "--compile",
+        "compile the decoder with inductor at start (CPU, needs g++): fused per-layer ops,"
+        " every batch size compiled before the port opens",
+        action=argparse.BooleanOptionalAction, default=False,
     )  # fmt: skip
     flags.add(
         "--priority-class",
