@@ -82,6 +82,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
+        self.kernel_scale = scale.to(torch.bfloat16)
+
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> Int8Linear:
+        """After ``to()``, refresh ``kernel_scale``: the scales in bfloat16, the CPU kernel's
+        dtype, kept as a plain attribute so that ``to(float32)`` leaves it bfloat16 and a
+        compiled forward reads it as a tensor instead of converting per call."""
+        super()._apply(fn, recurse)
+        self.kernel_scale = self.scale.to(torch.bfloat16)
+        return self
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -93,7 +104,7 @@ class Int8Linear(nn.Module):
             rows = x.reshape(-1, x.shape[-1])
             if rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
                 bf16 = torch.bfloat16
-                out = torch._weight_int8pack_mm(rows.to(bf16), self.weight, self.scale.to(bf16))
+                out = torch._weight_int8pack_mm(rows.to(bf16), self.weight, self.kernel_scale)
             else:
                 out = int8_split_matmul(rows, self.weight, self.scale)
             out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
