@@ -16,7 +16,9 @@ main thread's OpenMP team is the process's only one (see ``engine/server/async_e
 
     python benchmarks/decode_step.py --dtypes bfloat16 float32 --concurrency 1 16 64
 
-Writes ``benchmarks/results/decode_step.json`` and ``.md`` with the CPU model.
+Writes ``benchmarks/results/decode_step.json`` and ``.md`` (``decode_step_int4.*`` with
+``--quantization int4``) with the CPU model; the roof is of dense GEMMs, so quantized runs
+report none.
 """
 
 from __future__ import annotations
@@ -112,20 +114,20 @@ def measure(
     for name, engine in engines.items():
         engine.abort_requests(request_ids[name])
     medians = {name: statistics.median(times) for name, times in step_ms.items()}
-    flops, roof = gemm_roof(engines["eager"].model, concurrency, repeats=rounds)
     row: dict[str, Any] = {
         "concurrency": concurrency,
         "step_ms": medians,
         "eager_over_compiled": medians["eager"] / medians["compiled"],
-        "gemm_roof_gflops": roof,
-        "gemm_gflop_per_step": flops / 1e9,
     }
-    for name, ms in medians.items():
-        row[f"{name}_fraction_of_roof"] = flops / (ms / 1e3) / 1e9 / roof
+    if engines["eager"].config.quantization == "none":  # the roof is of dense GEMMs
+        flops, roof = gemm_roof(engines["eager"].model, concurrency, repeats=rounds)
+        row |= {"gemm_roof_gflops": roof, "gemm_gflop_per_step": flops / 1e9}
+        for name, ms in medians.items():
+            row[f"{name}_fraction_of_roof"] = flops / (ms / 1e3) / 1e9 / roof
     return row
 
 
-def build_engines(dtype: str, max_num_seqs: int) -> dict[str, EngineCore]:
+def build_engines(dtype: str, quantization: str, max_num_seqs: int) -> dict[str, EngineCore]:
     """An eager and a compiled engine, built in a thread that ends before they are stepped."""
 
     def build() -> dict[str, EngineCore]:
@@ -133,6 +135,7 @@ def build_engines(dtype: str, max_num_seqs: int) -> dict[str, EngineCore]:
             name: LLM(
                 dtype=dtype,
                 compile=name == "compiled",
+                quantization=quantization,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=MAX_BATCHED_TOKENS,
             ).engine
@@ -148,16 +151,21 @@ def markdown(result: dict[str, Any]) -> str:
         f"CPU: {result['cpu']}, {result['threads']} threads; peak GEMM (2048³):"
         + ", ".join(f" {d} {g:.0f} GFLOP/s" for d, g in result["peak_gflops"].items()),
         "",
-        "| dtype | concurrency | eager ms/step | compiled ms/step | eager/compiled"
+        "| dtype | quantization | concurrency | eager ms/step | compiled ms/step | eager/compiled"
         " | GEMM roof GFLOP/s | eager % roof | compiled % roof |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in result["rows"]:
+        roof = (
+            f"{row['gemm_roof_gflops']:.0f} | {100 * row['eager_fraction_of_roof']:.0f}%"
+            f" | {100 * row['compiled_fraction_of_roof']:.0f}%"
+            if "gemm_roof_gflops" in row
+            else "- | - | -"
+        )
         lines.append(
-            f"| {row['dtype']} | {row['concurrency']} | {row['step_ms']['eager']:.1f}"
-            f" | {row['step_ms']['compiled']:.1f} | {row['eager_over_compiled']:.2f}x"
-            f" | {row['gemm_roof_gflops']:.0f} | {100 * row['eager_fraction_of_roof']:.0f}%"
-            f" | {100 * row['compiled_fraction_of_roof']:.0f}% |"
+            f"| {row['dtype']} | {row['quantization']} | {row['concurrency']}"
+            f" | {row['step_ms']['eager']:.1f} | {row['step_ms']['compiled']:.1f}"
+            f" | {row['eager_over_compiled']:.2f}x | {roof} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -165,15 +173,18 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     rows = []
     for dtype in args.dtypes:
-        engines = build_engines(dtype, max(args.concurrency))
+        engines = build_engines(dtype, args.quantization, max(args.concurrency))
         for concurrency in args.concurrency:
-            row = {"dtype": dtype} | measure(engines, concurrency, args.rounds, args.steps)
+            row = {"dtype": dtype, "quantization": args.quantization} | measure(
+                engines, concurrency, args.rounds, args.steps
+            )
             print(json.dumps(row), flush=True)
             rows.append(row)
         del engines
@@ -189,8 +200,9 @@ def main() -> None:
         "rows": rows,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "decode_step.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "decode_step.md").write_text(markdown(result))
+    name = "decode_step" if args.quantization == "none" else f"decode_step_{args.quantization}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
 
 

@@ -5,9 +5,10 @@
 #   benchmarks/llamacpp.sh build            # prints the binary's path; a second run does nothing
 #   benchmarks/llamacpp.sh serve [PORT] [PARALLEL] [extra llama-server args...]
 #
-# On a machine shared with other work, start both servers with OMP_WAIT_POLICY=passive: with the
-# default, OpenMP threads spin at barriers, and on oversubscribed cores llama.cpp's decode went
-# from tens of milliseconds to seconds per token (llmpool's torch threads are OpenMP too).
+# On an idle machine run both servers with OpenMP's defaults. On one shared with other work,
+# OMP_WAIT_POLICY=passive kept llama.cpp's spinning threads from taking seconds per token on
+# oversubscribed cores, but it also makes every torch parallel region wake sleeping workers,
+# which about doubles llmpool's per-token time on 2 cores: compare on an idle machine.
 #
 # Everything lives under ${LLMPOOL_BENCH_CACHE:-~/.cache/llmpool-bench}, outside the repository.
 # GGML_NATIVE is off (a -march=native build can fail on these VMs) and the instruction-set flags
