@@ -3,15 +3,15 @@
 A compiled forward (``EngineConfig.compile``) traces everything of a layer but its attention:
 the attention plan is Python built per step (``Backend.plan``), and the KV write mutates the
 cache. So the model enters ``step_attention`` once per step, outside the compiled region, and
-each layer calls :func:`attention`, which inside a compiled region is the opaque op
-``torch.ops.llmpool.attention`` (declared to mutate the caches) and in eager mode the same
-function called directly. vLLM's ``unified_attention`` op does the same.
+each layer calls what :func:`layer_attention` gives: inside a compiled region the opaque op
+``torch.ops.llmpool.attention`` (declared to mutate the caches), in eager mode
+:func:`attention` itself. vLLM's ``unified_attention`` op does the same.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,49 +45,6 @@ def step_attention(backend: Backend, meta: AttentionMetadata) -> Iterator[None]:
         _current = previous
 
 
-def _attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    scale: float,
-    k_scale: float,
-    v_scale: float,
-) -> torch.Tensor:
-    step = _current
-    if step is None:
-        raise RuntimeError("attention() runs only inside step_attention()")
-    step.backend.write_kv(key, value, key_cache, value_cache, step.slot_mapping, k_scale, v_scale)
-    return step.backend.paged_attention(
-        query, key_cache, value_cache, step.plan, scale, k_scale, v_scale
-    )
-
-
-# Defined with the low-level Library API: ``torch.library.custom_op``'s wrapper costs ~15 us a
-# call, ~0.5 ms a step over 30 layers; this one ~3 us.
-_library = torch.library.Library("llmpool", "DEF")
-_library.define(
-    "attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache,"
-    " Tensor(b!) value_cache, float scale, float k_scale, float v_scale) -> Tensor"
-)
-_library.impl("attention", _attend, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("llmpool::attention")
-def _(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    scale: float,
-    k_scale: float,
-    v_scale: float,
-) -> torch.Tensor:
-    return torch.empty_like(query)
-
-
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -99,5 +56,30 @@ def attention(
     v_scale: float,
 ) -> torch.Tensor:
     """Write ``key``/``value`` at the step's slots and attend ``query`` over the paged cache."""
-    attend = torch.ops.llmpool.attention if torch.compiler.is_compiling() else _attend
-    return attend(query, key, value, key_cache, value_cache, scale, k_scale, v_scale)
+    step = _current
+    if step is None:
+        raise RuntimeError("attention() runs only inside step_attention()")
+    step.backend.write_kv(key, value, key_cache, value_cache, step.slot_mapping, k_scale, v_scale)
+    return step.backend.paged_attention(
+        query, key_cache, value_cache, step.plan, scale, k_scale, v_scale
+    )
+
+
+# Defined with the low-level Library API: ``torch.library.custom_op``'s wrapper costs ~15 us a
+# call in eager mode and far more inside a compiled graph; this one ~3 us.
+_library = torch.library.Library("llmpool", "DEF")
+_library.define(
+    "attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache,"
+    " Tensor(b!) value_cache, float scale, float k_scale, float v_scale) -> Tensor"
+)
+_library.impl("attention", attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("llmpool::attention")
+def _(query: torch.Tensor, *rest: object) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+def layer_attention() -> Callable[..., torch.Tensor]:
+    """What a layer calls: the opaque op inside a compiled region, :func:`attention` outside."""
+    return torch.ops.llmpool.attention if torch.compiler.is_compiling() else attention

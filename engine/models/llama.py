@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from llmpool.engine.attention import AttentionMetadata, Backend
-from llmpool.engine.attention.step import attention, step_attention
+from llmpool.engine.attention.step import layer_attention, step_attention
 from llmpool.engine.models.linear import Linear, linear
 
 
@@ -142,7 +142,7 @@ class LlamaLayer(nn.Module):
         value = value.view(num_tokens, shape.num_kv_heads, shape.head_dim)
         query, key = backend.rotary_embedding(positions, query, key, cos_sin_cache)
         key_cache, value_cache = kv_cache
-        attended = attention(
+        attended = layer_attention()(
             query, key, value, key_cache, value_cache, self.scale, self.k_scale, self.v_scale
         )
         hidden = self.o_proj(attended.view(num_tokens, -1))
