@@ -5,7 +5,7 @@ Dynamo still makes a graph per branch a size takes: one token (0/1 specializatio
 threshold the GEMMs branch on (``linear.CPU_TRANSPOSED_MAX_ROWS``, the int8 kernel's rows).
 Those thresholds sit at powers of two, so ``compile_sizes`` runs one forward at 1, at every
 power of two and one past it, and at the step's largest size, before the engine takes a
-request; ``tests/test_compilation.py`` checks that nothing compiles after that.
+request; ``test_engine_vs_hf.py``'s "compiled" case checks that nothing compiles after that.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def num_compiled_graphs() -> int:
 
 
 @torch.inference_mode()
-def compile_decoder(
+def compile_all_sizes(
     model: LlamaForCausalLM,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     block_size: int,

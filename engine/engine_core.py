@@ -154,7 +154,7 @@ class EngineCore:
             self.max_model_len,
             self.kv_cache_manager.num_total_blocks * self.config.block_size,
         )
-        graphs = compilation.compile_decoder(
+        graphs = compilation.compile_all_sizes(
             self.model, self.kv_caches, self.config.block_size, max_tokens
         )
         logger.info(
