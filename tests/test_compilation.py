@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from llmpool.engine import LLM, SamplingParams, compilation
+from llmpool.engine.models import linear
 
 
 def test_sizes_cover_one_token_each_power_of_two_one_past_it_and_the_largest() -> None:
@@ -46,6 +47,31 @@ def test_compiled_int8_in_float32_agrees_with_eager() -> None:
         ]
         for compiled in (False, True)
     }
+    agree = sum(
+        a == b
+        for eager, compiled in zip(tokens[False], tokens[True], strict=True)
+        for a, b in zip(eager, compiled, strict=True)
+    )
+    assert agree / sum(map(len, tokens[False])) >= 0.8
+
+
+@pytest.mark.slow
+def test_compiled_bfloat16_with_upcast_prefills_compile_nothing_after_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill chunks of 128+ rows take the upcast branch of ``linear``: a size branch that the
+    start-up compile must have covered, and the same function as eager under the same choice."""
+    monkeypatch.setattr(linear, "_bfloat16_upcast_min_rows", None)
+    monkeypatch.setattr(linear, "probe_bfloat16_upcast", lambda weight: 2.0)
+    prompts = ["Write a poem about the sea. " * 30, "The capital of France is"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for compiled in (False, True):
+        llm = LLM(dtype="bfloat16", compile=compiled, max_num_batched_tokens=256)
+        assert linear.bfloat16_upcast_min_rows() == linear.BFLOAT16_UPCAST_MIN_ROWS
+        graphs_before = compilation.num_compiled_graphs()
+        tokens[compiled] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+        assert compilation.num_compiled_graphs() == graphs_before
     agree = sum(
         a == b
         for eager, compiled in zip(tokens[False], tokens[True], strict=True)

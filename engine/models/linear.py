@@ -1,6 +1,18 @@
-"""Linear layers that pick the faster GEMM orientation for small float32 batches on CPU."""
+"""Linear layers that pick the faster GEMM for the rows at hand on CPU.
+
+Two choices, both exact up to summation order:
+
+- float32, few rows: ``W·xᵀ`` instead of ``x·Wᵀ`` (``CPU_TRANSPOSED_MAX_ROWS``).
+- bfloat16, many rows: the GEMM in float32 on the upcast operands, on CPUs whose float32 GEMM
+  outruns their bfloat16 one (``probe_bfloat16_upcast``). A product of two bfloat16 values is
+  exact in float32 and oneDNN's bfloat16 GEMM accumulates in float32 too, so only the
+  summation order differs.
+"""
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import torch
 from torch import nn
@@ -10,6 +22,59 @@ from torch import nn
 # bfloat16 goes through oneDNN, where the plain orientation is already the faster one.
 CPU_TRANSPOSED_MAX_ROWS = 64
 
+# From this many rows a bfloat16 GEMM is compute-bound, and where the CPU multiplies bfloat16 no
+# faster than float32 (AVX-512 BF16 without AMX on Intel: one bfloat16 dot-product port), the
+# float32 GEMM on upcast operands wins despite the weight's conversion: on this project's
+# 2-core Xeon 1.3x at 128 rows and 1.6x at 256 on SmolLM2's shapes, 0.6x at 16 (decode rows,
+# where reading the weight dominates and bfloat16 reads half as much).
+BFLOAT16_UPCAST_MIN_ROWS = 128
+# The probe asks whether the CPU's float32 GEMM is the faster one at a compute-bound size, with
+# a margin, so that noise cannot flip the choice (1.3-1.6x here from 128 rows up).
+BFLOAT16_UPCAST_PROBE_ROWS = 256
+BFLOAT16_UPCAST_MIN_SPEEDUP = 1.2
+
+_bfloat16_upcast_min_rows: int | None = None
+
+
+def set_bfloat16_upcast(min_rows: int | None) -> None:
+    """Compute bfloat16 GEMMs of at least ``min_rows`` rows in float32 on CPU (None: never).
+
+    Process-wide, as the CPU it describes; the engine sets it from ``probe_bfloat16_upcast``
+    before it compiles or serves.
+    """
+    global _bfloat16_upcast_min_rows
+    _bfloat16_upcast_min_rows = min_rows
+
+
+def bfloat16_upcast_min_rows() -> int | None:
+    return _bfloat16_upcast_min_rows
+
+
+def probe_bfloat16_upcast(
+    weight: torch.Tensor, rows: int = BFLOAT16_UPCAST_PROBE_ROWS, repeats: int = 7
+) -> float:
+    """How many times faster ``rows`` rows against the bfloat16 ``weight`` run upcast to
+    float32 than in bfloat16 on this CPU, the conversions counted (median of interleaved runs).
+    """
+    x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
+    ratios = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            started = time.perf_counter()
+            nn.functional.linear(x, weight)
+            native = time.perf_counter() - started
+            started = time.perf_counter()
+            _upcast_linear(x, weight, None)
+            ratios.append(native / (time.perf_counter() - started))
+    return statistics.median(ratios[1:])
+
+
+def _upcast_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out = nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``.
@@ -18,12 +83,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the same time; on two, MKL's split of x·Wᵀ with few rows barely gains, while W·xᵀ has the
     weight's many rows to split, so each thread streams half of the weight.
     """
-    if (
-        x.device.type != "cpu"
-        or x.dtype != torch.float32
-        or x.dim() != 2
-        or x.shape[0] > CPU_TRANSPOSED_MAX_ROWS
-    ):
+    if x.device.type != "cpu" or x.dim() != 2:
+        return nn.functional.linear(x, weight, bias)
+    if x.dtype == torch.bfloat16:
+        min_rows = _bfloat16_upcast_min_rows
+        if min_rows is not None and x.shape[0] >= min_rows:
+            return _upcast_linear(x, weight, bias)
+        return nn.functional.linear(x, weight, bias)
+    if x.dtype != torch.float32 or x.shape[0] > CPU_TRANSPOSED_MAX_ROWS:
         return nn.functional.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t().contiguous()
     return out if bias is None else out + bias
