@@ -156,10 +156,10 @@ class EngineCore:
         """
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return
-        weight = self.model.layers[0].gate_up_proj.weight
-        if weight.dtype != torch.bfloat16:  # quantized layers have their own kernels
+        projection = self.model.layers[0].gate_up_proj
+        if not isinstance(projection, linear.Linear):  # quantized layers have their own kernels
             return
-        speedup = linear.probe_bfloat16_upcast(weight.detach())
+        speedup = linear.probe_bfloat16_upcast(projection.weight.detach())
         upcast = speedup >= linear.BFLOAT16_UPCAST_MIN_SPEEDUP
         linear.set_bfloat16_upcast(linear.BFLOAT16_UPCAST_MIN_ROWS if upcast else None)
         logger.info(
