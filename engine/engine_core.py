@@ -163,11 +163,12 @@ class EngineCore:
         upcast = speedup >= linear.BFLOAT16_UPCAST_MIN_SPEEDUP
         linear.set_bfloat16_upcast(linear.BFLOAT16_UPCAST_MIN_ROWS if upcast else None)
         logger.info(
-            "bfloat16 GEMMs: float32 runs %d rows %.2fx as fast on this CPU, so those of %d+ rows %s",
+            "bfloat16 GEMMs: float32 runs %d rows %.2fx as fast on this CPU, so GEMMs of %d+ rows"
+            " %s",
             linear.BFLOAT16_UPCAST_PROBE_ROWS,
             speedup,
             linear.BFLOAT16_UPCAST_MIN_ROWS,
-            "they run in float32" if upcast else "they stay in bfloat16",
+            "run in float32" if upcast else "stay in bfloat16",
         )
 
     def _compile(self) -> None:

@@ -47,5 +47,7 @@ def engine_args(spec: PoolSpec) -> list[str]:
         args += ["--max-queue", str(engine.max_queue)]
     if spec.chat_template is not None:
         args += ["--chat-template", CHAT_TEMPLATE_PATH]
+    if engine.compile:
+        args.append("--compile")
     args += ["--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT)]
     return args

@@ -58,6 +58,7 @@ class EngineSettings:
     block_size: int = pinning.DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
     max_queue: int | None = None
+    compile: bool = False
 
     @classmethod
     def from_dict(cls, engine: Mapping[str, Any]) -> EngineSettings:
@@ -74,6 +75,7 @@ class EngineSettings:
             block_size=engine.get("blockSize", defaults.block_size),
             enable_prefix_caching=engine.get("enablePrefixCaching", defaults.enable_prefix_caching),
             max_queue=engine.get("maxQueue"),
+            compile=engine.get("compile", defaults.compile),
         )
 
 

@@ -561,6 +561,27 @@ def test_sample_pool_serves_and_reports_ready(
 
 
 @needs_engine
+def test_a_compiled_pool_compiles_before_ready_and_serves(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    """``engine.compile``: the replica compiles every batch size (inductor, with the image's g++,
+    its kernels under the pod's /tmp on a read-only root) before its readiness probe passes."""
+    documents = example()
+    spec = documents[1]["spec"]
+    spec["replicas"] = 1
+    spec["engine"] = {**spec["engine"], "compile": True, "maxNumBatchedTokens": 64}
+    spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+    cluster.apply(*documents, namespace=namespace)
+    wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
+    (pod,) = engine_pods(cluster, namespace, "smollm2-chat")
+    assert "--compile" in pod["spec"]["containers"][0]["args"]
+    reply = chat(pod["status"]["podIP"], "smollm2")
+    assert reply["choices"][0]["message"]["role"] == "assistant"
+    logs = cluster.kubectl("logs", pod["metadata"]["name"], "-n", namespace, "-c", "engine")
+    assert "compiled the decoder" in logs
+
+
+@needs_engine
 def test_rollout_reports_ready_only_when_finished_and_raises_no_drift(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:

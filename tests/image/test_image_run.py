@@ -7,6 +7,7 @@ after ``bash scripts/build-image.sh`` with::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,10 +20,12 @@ import httpx
 import openai
 import pytest
 import yaml
+from openai.types.chat import ChatCompletion
 
 from llmpool import pinning
 from llmpool.engine import builtin_model, model_source
 from llmpool.engine.llm import LLM
+from llmpool.engine.outputs import RequestOutput
 from llmpool.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.image
@@ -50,20 +53,37 @@ def image() -> str:
     return IMAGE
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    """``llmpool serve`` in a pod-like container, published on a free port of 127.0.0.1."""
-    serve = ["serve", "--dtype", "float32"]  # the chat test compares with the float32 engine
-    started = docker("run", "--detach", *POD_LIKE, "--publish", "127.0.0.1::8000", IMAGE, *serve)
+@contextlib.contextmanager
+def serving(*flags: str) -> Iterator[tuple[str, str]]:
+    """``llmpool serve FLAGS`` in a pod-like container, published on a free port of 127.0.0.1:
+    yields its URL and container id."""
+    started = docker(
+        "run", "--detach", *POD_LIKE, "--publish", "127.0.0.1::8000", IMAGE, "serve", *flags
+    )
     assert started.returncode == 0, started.stderr
     container = started.stdout.strip()
     try:
         address = docker("port", container, "8000/tcp").stdout.split()[0]
         url = f"http://{address}"
         wait_until_ready(container, url)
-        yield url
+        yield url, container
     finally:
         docker("rm", "--force", container)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with serving("--dtype", "float32") as (url, _):  # the chat test compares with float32
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference_reply() -> RequestOutput:
+    """The host's eager float32 engine's greedy answer to ``MESSAGES``."""
+    (expected,) = LLM(device="cpu", dtype="float32").chat(
+        MESSAGES, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    )
+    return expected
 
 
 def wait_until_ready(container: str, url: str) -> None:
@@ -107,21 +127,38 @@ def test_fingerprint_pins_the_revision_the_examples_pin(server: str) -> None:
     assert fingerprint["observed"]["weightsDigest"] == model_source.weights_digest(here)
 
 
-def test_chat_completion_is_the_engines_greedy_answer(server: str) -> None:
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120)
-    reply = client.chat.completions.create(
+def chat(url: str) -> ChatCompletion:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+    return client.chat.completions.create(
         model=pinning.default_served_name(builtin_model.BUILTIN_SOURCE),
         messages=MESSAGES,  # type: ignore[arg-type]
         max_tokens=MAX_TOKENS,
         temperature=0,
     )
-    (expected,) = LLM(device="cpu", dtype="float32").chat(
-        MESSAGES, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    )
-    assert reply.choices[0].message.content == expected.outputs[0].text
+
+
+def test_chat_completion_is_the_engines_greedy_answer(
+    server: str, reference_reply: RequestOutput
+) -> None:
+    reply = chat(server)
+    assert reply.choices[0].message.content == reference_reply.outputs[0].text
     assert reply.usage is not None
-    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert reply.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert reply.usage.prompt_tokens == len(reference_reply.prompt_token_ids)
+    assert reply.usage.completion_tokens == len(reference_reply.outputs[0].token_ids)
+
+
+def test_compiled_engine_builds_its_kernels_in_tmp_and_answers_as_eager(
+    reference_reply: RequestOutput,
+) -> None:
+    """``--compile`` in the image: inductor finds its C++ compiler, writes only under /tmp (the
+    root is read-only) and the compiled float32 decoder answers what the eager one does."""
+    flags = ("--dtype", "float32", "--compile", "--max-num-batched-tokens", "64")
+    with serving(*flags) as (url, container):
+        assert chat(url).choices[0].message.content == reference_reply.outputs[0].text
+        logs = docker("logs", container).stderr
+        assert "compiled the decoder" in logs, logs[-4000:]
+        cached = docker("exec", container, "sh", "-c", "ls /tmp/torchinductor | wc -l")
+        assert int(cached.stdout) > 0, cached.stderr
 
 
 def test_operator_help_runs() -> None:

@@ -45,16 +45,23 @@ def test_engine_args_carry_the_spec(chat_spec):
     assert flag(args, "--port") == "8000" and flag(args, "--host") == "0.0.0.0"
     assert "--enable-prefix-caching" in args
     assert "--quantization" not in args  # none is the engine's default
+    assert "--compile" not in args  # eager unless the pool asks
 
 
 def test_engine_args_optional_flags(batch_spec):
     spec = {
         **batch_spec,
         "quantization": "int8",
-        "engine": {**batch_spec["engine"], "enablePrefixCaching": False, "maxQueue": 100},
+        "engine": {
+            **batch_spec["engine"],
+            "enablePrefixCaching": False,
+            "maxQueue": 100,
+            "compile": True,
+        },
     }
     args = engine_args(PoolSpec.from_dict(spec))
     assert flag(args, "--quantization") == "int8"
+    assert args.count("--compile") == 1
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
     assert flag(args, "--max-queue") == "100"
     assert flag(args, "--priority-class") == "batch"
