@@ -1,16 +1,28 @@
-"""The torch paged-attention backend against dense causal attention, one sequence at a time."""
+"""The torch and cpu paged-attention backends against dense causal attention, one sequence at a
+time (the cpu backend's decodes run ``cpu_decode.c``, its other queries the torch path)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmpool.engine.attention import TORCH, AttentionMetadata
+from llmpool.engine.attention import (
+    CPU,
+    TORCH,
+    AttentionMetadata,
+    Backend,
+    check_kv_cache_dtype,
+    cpu_backend,
+    select_backend,
+)
 from llmpool.engine.attention.torch_backend import plan
+from llmpool.engine.models.quantization import FP8_DTYPE
 
 NUM_KV_HEADS = 2
 HEAD_DIM = 16
+BACKENDS = pytest.mark.parametrize("backend", [TORCH, CPU], ids=["torch", "cpu"])
 
 
 def _dense_attention(
@@ -57,45 +69,98 @@ def _paged_batch(
 
 
 def _check(
-    seq_lens: list[int], query_lens: list[int], block_size: int, queries_per_kv: int
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    queries_per_kv: int,
+    backend: Backend,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = HEAD_DIM,
 ) -> None:
     meta, all_slots = _paged_batch(seq_lens, query_lens, block_size, seed=len(seq_lens))
     generator = torch.Generator().manual_seed(sum(seq_lens))
     total = sum(seq_lens)
-    keys = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=generator)
-    values = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    keys = torch.randn(total, NUM_KV_HEADS, head_dim, generator=generator).to(dtype)
+    values = torch.randn(total, NUM_KV_HEADS, head_dim, generator=generator).to(dtype)
     num_heads = NUM_KV_HEADS * queries_per_kv
-    query = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=generator)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
     num_slots = (len(all_slots) // block_size + 2 + len(seq_lens)) * block_size
-    key_cache = torch.zeros(num_slots // block_size, block_size, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.zeros(
+        num_slots // block_size, block_size, NUM_KV_HEADS, head_dim, dtype=dtype
+    )
     value_cache = torch.zeros_like(key_cache)
-    TORCH.write_kv(keys, values, key_cache, value_cache, torch.tensor(all_slots))
-    scale = HEAD_DIM**-0.5
+    backend.write_kv(keys, values, key_cache, value_cache, torch.tensor(all_slots))
+    scale = head_dim**-0.5
+    # bfloat16 outputs are rounded once: within a step of bfloat16's 8-bit mantissa.
+    atol, rtol = (2e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)
 
-    actual = TORCH.paged_attention(query, key_cache, value_cache, TORCH.plan(meta), scale)
+    actual = backend.paged_attention(query, key_cache, value_cache, backend.plan(meta), scale)
 
     token_start = query_start = 0
     for seq_len, query_len in zip(seq_lens, query_lens, strict=True):
         expected = _dense_attention(
-            query[query_start : query_start + query_len],
-            keys[token_start : token_start + seq_len],
-            values[token_start : token_start + seq_len],
+            query[query_start : query_start + query_len].float(),
+            keys[token_start : token_start + seq_len].float(),
+            values[token_start : token_start + seq_len].float(),
             scale,
         )
         torch.testing.assert_close(
-            actual[query_start : query_start + query_len], expected, atol=2e-5, rtol=1e-5
+            actual[query_start : query_start + query_len].float(), expected, atol=atol, rtol=rtol
         )
         token_start += seq_len
         query_start += query_len
 
 
-def test_decodes_of_far_apart_lengths_and_prefill_chunks() -> None:
+@BACKENDS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_of_far_apart_lengths_and_prefill_chunks(
+    backend: Backend, dtype: torch.dtype
+) -> None:
     # Decodes of 3 to 700 tokens (cut into several context groups), a whole prompt, and a
     # prefill chunk after cached context.
     seq_lens = [700, 3, 130, 17, 690, 300, 64, 260]
     query_lens = [1, 1, 1, 1, 1, 1, 64, 200]
     for block_size in (1, 16):
-        _check(seq_lens, query_lens, block_size, queries_per_kv=3)
+        _check(seq_lens, query_lens, block_size, 3, backend, dtype)
+
+
+@BACKENDS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_a_step_of_decodes_only(backend: Backend, dtype: torch.dtype, head_dim: int) -> None:
+    """head_dim 64 and 128 run the cpu backend's vector kernels where the CPU has AVX-512."""
+    seq_lens = [513, 1, 40, 1024, 77]
+    _check(seq_lens, [1] * len(seq_lens), 16, 3, backend, dtype, head_dim)
+    _check(seq_lens, [1] * len(seq_lens), 16, 8, backend, dtype, head_dim)  # 16 heads per KV head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_portable_kernel_matches_too(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, head_dim: int
+) -> None:
+    """The kernel built without instruction-set flags (what a CPU without AVX-512 runs)."""
+    portable = cpu_backend.build([])
+    assert portable is not None
+    monkeypatch.setattr(cpu_backend, "_library", lambda: portable)
+    seq_lens = [300, 5, 1000]
+    _check(seq_lens, [1, 1, 1], 16, 3, CPU, dtype, head_dim)
+    _check([300, 200, 64], [1, 1, 64], 16, 3, CPU, dtype, head_dim)  # decodes beside a prefill
+
+
+def test_auto_picks_the_cpu_backend_for_its_cache_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert select_backend(cpu, "auto", torch.bfloat16) is CPU
+    assert select_backend(cpu, "auto", torch.float32) is CPU
+    assert select_backend(cpu, "auto", FP8_DTYPE) is TORCH
+    assert select_backend(cpu, "torch", torch.float32) is TORCH
+    with pytest.raises(ValueError, match="bfloat16 or float32 caches"):
+        check_kv_cache_dtype(CPU, FP8_DTYPE, cpu)
+    monkeypatch.setattr(cpu_backend, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_backend, "_library", lambda: cpu_backend.build([]))
+    assert select_backend(cpu, "auto", torch.float32) is TORCH  # no compiler: torch
+    with pytest.raises(ValueError, match="C compiler"):
+        select_backend(cpu, "cpu")
 
 
 def test_plan_cuts_context_groups_and_keeps_every_query_once() -> None:
@@ -109,6 +174,7 @@ def test_plan_cuts_context_groups_and_keeps_every_query_once() -> None:
     assert rows.tolist() == list(range(len(seq_lens)))
 
 
+@BACKENDS
 @settings(max_examples=40, deadline=None)
 @given(
     sequences=st.lists(
@@ -120,8 +186,23 @@ def test_plan_cuts_context_groups_and_keeps_every_query_once() -> None:
     queries_per_kv=st.sampled_from([1, 3]),
 )
 def test_matches_dense_attention(
-    sequences: list[tuple[int, int]], block_size: int, queries_per_kv: int
+    backend: Backend, sequences: list[tuple[int, int]], block_size: int, queries_per_kv: int
 ) -> None:
     seq_lens = [seq_len for seq_len, _ in sequences]
     query_lens = [query_len for _, query_len in sequences]
-    _check(seq_lens, query_lens, block_size, queries_per_kv)
+    _check(seq_lens, query_lens, block_size, queries_per_kv, backend)
+
+
+def test_a_kernel_that_cannot_be_loaded_leaves_the_torch_backend(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A cache directory on a noexec mount: the build succeeds, loading fails, auto picks torch."""
+    monkeypatch.setenv("LLMPOOL_KERNEL_CACHE", str(tmp_path))
+
+    def refuse(path: str) -> None:
+        raise OSError(f"{path}: failed to map segment from shared object")
+
+    monkeypatch.setattr(cpu_backend.ctypes, "CDLL", refuse)
+    monkeypatch.setattr(cpu_backend, "_library", lambda: cpu_backend.build([]))
+    assert cpu_backend.build([]) is None
+    assert select_backend(torch.device("cpu"), "auto", torch.float32) is TORCH

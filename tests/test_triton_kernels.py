@@ -55,7 +55,7 @@ HEAD_DIM = 64
 
 def test_cuda_selects_the_triton_backend() -> None:
     assert select_backend(torch.device("cuda")) is TRITON
-    assert select_backend(torch.device("cpu")) is TORCH
+    assert select_backend(torch.device("cpu")).name == "cpu"  # tests/test_torch_attention.py
 
 
 @pytest.fixture(params=[DEVICE])

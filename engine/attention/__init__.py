@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from llmpool.engine import ops
-from llmpool.engine.attention import torch_backend
+from llmpool.engine.attention import cpu_backend, torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
 from llmpool.engine.models.quantization import FP8_DTYPE
 
-__all__ = ["AttentionMetadata", "Backend", "check_kv_cache_dtype", "select_backend"]
+__all__ = ["CPU", "TORCH", "AttentionMetadata", "Backend", "check_kv_cache_dtype", "select_backend"]
 
 # Triton converts to and from e4m3 with instructions NVIDIA GPUs have from this one on (Ada, Hopper).
 FP8_MIN_CAPABILITY = (8, 9)
@@ -42,23 +42,52 @@ TORCH = Backend(
     rotary_embedding=ops.rotary_embedding,
 )
 
+CPU = Backend(
+    name="cpu",
+    plan=cpu_backend.plan,
+    write_kv=torch_backend.write_kv,
+    paged_attention=cpu_backend.paged_attention,
+    rms_norm=ops.rms_norm,
+    fused_add_rms_norm=ops.fused_add_rms_norm,
+    rotary_embedding=ops.rotary_embedding,
+)
+
 
 def select_backend(
     device: torch.device, name: str = "auto", kv_cache_dtype: torch.dtype | None = None
 ) -> Backend:
-    """``auto`` picks Triton on CUDA and torch elsewhere, and torch for an fp8 KV cache on a GPU
-    whose Triton cannot convert e4m3, so that a pool's kvCacheDtype fp8 runs on any GPU."""
+    """``auto`` picks Triton on CUDA, and torch for an fp8 KV cache on a GPU whose Triton cannot
+    convert e4m3, so that a pool's kvCacheDtype fp8 runs on any GPU. On CPU it picks the cpu
+    backend (torch's, with decodes in ``cpu_decode.c``) for bfloat16 and float32 caches where a
+    C compiler built the kernel, else torch."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-        if name == "triton" and kv_cache_dtype == FP8_DTYPE and not _triton_has_fp8(device):
+        if device.type == "cuda":
+            name = "triton"
+            if kv_cache_dtype == FP8_DTYPE and not _triton_has_fp8(device):
+                name = "torch"
+        elif (
+            device.type == "cpu"
+            and (kv_cache_dtype is None or kv_cache_dtype in cpu_backend.KERNEL_DTYPES)
+            and cpu_backend.available()
+        ):
+            name = "cpu"
+        else:
             name = "torch"
     if name == "torch":
         return TORCH
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"the cpu attention backend runs on CPU, not {device.type}")
+        if not cpu_backend.available():
+            raise ValueError(
+                "the cpu attention backend needs a C compiler (gcc) to build its kernel"
+            )
+        return CPU
     if name == "triton":
         from llmpool.engine.attention.triton_backend import TRITON
 
         return TRITON
-    raise ValueError(f"unknown attention backend {name!r}; expected auto, torch or triton")
+    raise ValueError(f"unknown attention backend {name!r}; expected auto, torch, cpu or triton")
 
 
 def _triton_has_fp8(device: torch.device) -> bool:
@@ -68,6 +97,8 @@ def _triton_has_fp8(device: torch.device) -> bool:
 def check_kv_cache_dtype(backend: Backend, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse at start a cache dtype that an explicitly chosen backend's first step would fail to
     compile for (``auto`` never chooses such a backend)."""
+    if backend.name == "cpu":
+        cpu_backend.check_cache_dtype(dtype)
     if dtype == FP8_DTYPE and backend.name == "triton" and device.type == "cuda":
         check_fp8_capability(
             torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)

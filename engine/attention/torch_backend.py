@@ -77,16 +77,22 @@ def plan(meta: AttentionMetadata) -> TorchAttentionPlan:
     Each group is one call: queries padded to the group's longest, contexts to its longest, a
     boolean mask keeping attention causal.
     """
+    return plan_sequences(meta, torch.arange(meta.num_seqs, device=meta.seq_lens.device))
+
+
+def plan_sequences(meta: AttentionMetadata, seq_ids: torch.Tensor) -> TorchAttentionPlan:
+    """:func:`plan` for the sequences ``seq_ids`` of the step only (the others' rows of the
+    output are left unwritten)."""
     query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).to(torch.int64)
     seq_lens = meta.seq_lens.to(torch.int64)
     blocks_needed = (seq_lens + meta.block_size - 1) // meta.block_size
-    buckets = torch.ceil(torch.log2(query_lens.to(torch.float32))).to(torch.int64)
+    buckets = torch.ceil(torch.log2(query_lens[seq_ids].to(torch.float32))).to(torch.int64)
     groups = []
     for bucket in torch.unique(buckets).tolist():
-        seq_ids = torch.nonzero(buckets == bucket).flatten()
-        seq_ids = seq_ids[torch.argsort(blocks_needed[seq_ids], stable=True)]
-        context_lens = (blocks_needed[seq_ids] * meta.block_size).tolist()
-        for group_ids in _split_by_context(seq_ids, context_lens):
+        in_bucket = seq_ids[buckets == bucket]
+        in_bucket = in_bucket[torch.argsort(blocks_needed[in_bucket], stable=True)]
+        context_lens = (blocks_needed[in_bucket] * meta.block_size).tolist()
+        for group_ids in _split_by_context(in_bucket, context_lens):
             groups.append(_group(meta, group_ids, query_lens[group_ids], seq_lens[group_ids]))
     return TorchAttentionPlan(groups=groups)
 

@@ -32,7 +32,9 @@ pytestmark = pytest.mark.image
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = os.environ.get("LLMPOOL_IMAGE", "ghcr.io/llmpool/llmpool:0.1.0")
-POD_LIKE = ["--read-only", "--tmpfs", "/tmp", "--user", "10001"]
+# A pod's emptyDir allows executables; docker's tmpfs is noexec unless told otherwise, and the
+# engine loads the kernels it builds (inductor's, the cpu attention backend's) from /tmp.
+POD_LIKE = ["--read-only", "--tmpfs", "/tmp:exec", "--user", "10001"]
 START_TIMEOUT_S = 300
 MESSAGES = [{"role": "user", "content": "What is PagedAttention?"}]
 MAX_TOKENS = 24

@@ -1,0 +1,292 @@
+/* Paged decode attention on CPU: one query token per sequence, read from the paged K/V cache in
+ * place.
+ *
+ * The torch backend gathers every sequence's blocks into a padded copy before attending (and
+ * pads contexts within a group), so a decode step moves the K/V bytes three times; here each
+ * (sequence, query head) pair walks its block table once: scores q.k for every position, a
+ * softmax, and the weighted sum of V, in float32. Work items are spread over torch's own OpenMP
+ * runtime (libgomp is loaded by torch under the same soname, so this library shares its teams).
+ *
+ * Layouts (contiguous): query and out [num_seqs, num_heads, head_dim]; caches
+ * [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int64;
+ * seq_lens [num_seqs] int64. Query head h reads KV head h / (num_heads / num_kv_heads).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t bits) {
+    union { uint32_t u; float f; } value = { .u = (uint32_t)bits << 16 };
+    return value.f;
+}
+
+static inline uint16_t float_to_bf16(float number) {
+    union { uint32_t u; float f; } value = { .f = number };
+    if ((value.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((value.u >> 16) | 0x40u); /* NaN */
+    value.u += 0x7fffu + ((value.u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(value.u >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum) as 2^(x log2 e): the integer part goes to the
+ * exponent bits, the fraction through a degree-6 polynomial of 2^f (relative error ~2e-7).
+ * Plain arithmetic, so the softmax loop vectorizes (libm's expf would be called per element). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504088896341f;
+    const int32_t truncated = (int32_t)t; /* toward zero: floor is one less for a fraction */
+    const int32_t whole = truncated - ((float)truncated > t);
+    const float f = t - (float)whole;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } scale = { .u = (uint32_t)(whole + 127) << 23 };
+    return p * scale.f;
+}
+
+/* A dot product as LANES independent partial sums, added pairwise at the end: the compiler
+ * keeps the partial sums in one vector register (a float reduction it may not reorder itself
+ * would otherwise be a chain of scalar additions). n is a multiple of LANES or the tail is
+ * summed in order. */
+#define LANES 16
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float part[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; ++l) part[l] += a[d + l] * b[d + l];
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; ++l) part[l] += part[l + width];
+    float sum = part[0];
+    for (; d < n; ++d) sum += a[d] * b[d];
+    return sum;
+}
+
+static inline float float_to_float(float number) { return number; }
+static inline float float_from_float(float number) { return number; }
+
+/* One work item is a (sequence, KV head): the query heads that share the KV head are attended
+ * together, so each K and V row is read and converted once. Positions are walked block by
+ * block (no division per position); the scores are kept, then exponentiated in one vector loop
+ * (``exp_nonpositive``), then V is summed with those weights. */
+#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE, HEAD_DIM)                                       \
+void NAME(const T *query, const T *key_cache, const T *value_cache,                               \
+          const int64_t *block_tables, const int64_t *seq_lens, T *out,                           \
+          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t any_head_dim,        \
+          int64_t block_size, int64_t max_blocks, float scale) {                                  \
+    const int64_t head_dim = HEAD_DIM;                                                            \
+    const int64_t group = num_heads / num_kv_heads;                                               \
+    const int64_t token_stride = num_kv_heads * head_dim;                                         \
+    int64_t longest = 1;                                                                          \
+    for (int64_t s = 0; s < num_seqs; ++s) longest = seq_lens[s] > longest ? seq_lens[s] : longest; \
+    _Pragma("omp parallel")                                                                       \
+    {                                                                                             \
+        float *scores = malloc(sizeof(float) * (size_t)(group * longest));                        \
+        float *q = malloc(sizeof(float) * (size_t)(group * head_dim));                            \
+        float *acc = malloc(sizeof(float) * (size_t)(group * head_dim));                          \
+        float *row = malloc(sizeof(float) * (size_t)head_dim);                                    \
+        _Pragma("omp for schedule(dynamic, 1)")                                                   \
+        for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {                          \
+            const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;               \
+            const int64_t length = seq_lens[seq];                                                 \
+            const int64_t *table = block_tables + seq * max_blocks;                               \
+            const T *q_in = query + (seq * num_heads + kv_head * group) * head_dim;               \
+            for (int64_t i = 0; i < group * head_dim; ++i) q[i] = LOAD(q_in[i]) * scale;          \
+            for (int64_t start = 0; start < length; start += block_size) {                        \
+                const int64_t base = table[start / block_size] * block_size;                      \
+                const int64_t stop = length - start < block_size ? length - start : block_size;   \
+                for (int64_t offset = 0; offset < stop; ++offset) {                               \
+                    const T *k = key_cache + (base + offset) * token_stride + kv_head * head_dim; \
+                    _Pragma("omp simd")                                                           \
+                    for (int64_t d = 0; d < head_dim; ++d) row[d] = LOAD(k[d]);                   \
+                    for (int64_t g = 0; g < group; ++g) {                                         \
+                        scores[g * length + start + offset] = dot(q + g * head_dim, row, head_dim); \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            for (int64_t g = 0; g < group; ++g) {                                                 \
+                float *sg = scores + g * length;                                                  \
+                float best = -INFINITY, total = 0.0f;                                             \
+                for (int64_t t = 0; t < length; ++t) best = sg[t] > best ? sg[t] : best;          \
+                _Pragma("omp simd reduction(+:total)")                                            \
+                for (int64_t t = 0; t < length; ++t) {                                            \
+                    sg[t] = exp_nonpositive(sg[t] - best);                                                   \
+                    total += sg[t];                                                               \
+                }                                                                                 \
+                const float inverse = 1.0f / total;                                               \
+                _Pragma("omp simd")                                                               \
+                for (int64_t t = 0; t < length; ++t) sg[t] *= inverse;                            \
+            }                                                                                     \
+            memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));                           \
+            for (int64_t start = 0; start < length; start += block_size) {                        \
+                const int64_t base = table[start / block_size] * block_size;                      \
+                const int64_t stop = length - start < block_size ? length - start : block_size;   \
+                for (int64_t offset = 0; offset < stop; ++offset) {                               \
+                    const T *v = value_cache + (base + offset) * token_stride + kv_head * head_dim; \
+                    _Pragma("omp simd")                                                           \
+                    for (int64_t d = 0; d < head_dim; ++d) row[d] = LOAD(v[d]);                   \
+                    for (int64_t g = 0; g < group; ++g) {                                         \
+                        const float weight = scores[g * length + start + offset];                 \
+                        float *ag = acc + g * head_dim;                                           \
+                        _Pragma("omp simd")                                                       \
+                        for (int64_t d = 0; d < head_dim; ++d) ag[d] += weight * row[d];          \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            T *o = out + (seq * num_heads + kv_head * group) * head_dim;                          \
+            for (int64_t i = 0; i < group * head_dim; ++i) o[i] = STORE(acc[i]);                  \
+        }                                                                                         \
+        free(scores);                                                                             \
+        free(q);                                                                                  \
+        free(acc);                                                                                \
+        free(row);                                                                                \
+    }                                                                                             \
+}
+
+DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16, any_head_dim)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, float_to_float, float_from_float, any_head_dim)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* AVX-512, head_dim 64 and 128 (most models): the same algorithm with each row as 4 or 8
+ * vectors, a dot product as vector FMAs and one horizontal sum, the softmax 16 scores at a time
+ * (2^x by vscalefps), and the output rounded to bfloat16 as above. Query heads per KV head up
+ * to MAX_GROUP; wider groups use the portable kernel. */
+#include <immintrin.h>
+#define MAX_GROUP 16
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    __m256i half = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline void store16_bf16(uint16_t *p, __m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+static inline void store16_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
+
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, whole);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, whole);
+}
+
+#define DEFINE_PAGED_DECODE_AVX512(NAME, T, LOAD16, STORE16, PORTABLE, HEAD_DIM)                   \
+void NAME(const T *query, const T *key_cache, const T *value_cache,                               \
+          const int64_t *block_tables, const int64_t *seq_lens, T *out,                           \
+          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t any_head_dim,        \
+          int64_t block_size, int64_t max_blocks, float scale) {                                  \
+    enum { V = HEAD_DIM / 16 };                                                                   \
+    const int64_t group = num_heads / num_kv_heads;                                               \
+    if (group > MAX_GROUP) {                                                                      \
+        PORTABLE(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_heads, \
+                 num_kv_heads, any_head_dim, block_size, max_blocks, scale);                      \
+        return;                                                                                   \
+    }                                                                                             \
+    const int64_t token_stride = num_kv_heads * HEAD_DIM;                                         \
+    int64_t longest = 1;                                                                          \
+    for (int64_t s = 0; s < num_seqs; ++s) longest = seq_lens[s] > longest ? seq_lens[s] : longest; \
+    _Pragma("omp parallel")                                                                       \
+    {                                                                                             \
+        float *scores = malloc(sizeof(float) * (size_t)(group * longest + 16));                   \
+        _Pragma("omp for schedule(dynamic, 1)")                                                   \
+        for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {                          \
+            const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;               \
+            const int64_t length = seq_lens[seq];                                                 \
+            const int64_t *table = block_tables + seq * max_blocks;                               \
+            const T *q_in = query + (seq * num_heads + kv_head * group) * HEAD_DIM;               \
+            __m512 q[MAX_GROUP][V], acc[MAX_GROUP][V];                                            \
+            for (int64_t g = 0; g < group; ++g)                                                   \
+                for (int j = 0; j < V; ++j) {                                                     \
+                    q[g][j] = _mm512_mul_ps(LOAD16(q_in + g * HEAD_DIM + 16 * j),                 \
+                                            _mm512_set1_ps(scale));                               \
+                    acc[g][j] = _mm512_setzero_ps();                                              \
+                }                                                                                 \
+            for (int64_t start = 0; start < length; start += block_size) {                        \
+                const int64_t base = table[start / block_size] * block_size;                      \
+                const int64_t stop = length - start < block_size ? length - start : block_size;   \
+                for (int64_t offset = 0; offset < stop; ++offset) {                               \
+                    const T *k = key_cache + (base + offset) * token_stride + kv_head * HEAD_DIM; \
+                    __m512 row[V];                                                                \
+                    for (int j = 0; j < V; ++j) row[j] = LOAD16(k + 16 * j);                      \
+                    for (int64_t g = 0; g < group; ++g) {                                         \
+                        __m512 sum = _mm512_mul_ps(q[g][0], row[0]);                              \
+                        for (int j = 1; j < V; ++j) sum = _mm512_fmadd_ps(q[g][j], row[j], sum);  \
+                        scores[g * length + start + offset] = _mm512_reduce_add_ps(sum);          \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            float inverse[MAX_GROUP];                                                             \
+            for (int64_t g = 0; g < group; ++g) {                                                 \
+                float *sg = scores + g * length;                                                  \
+                __m512 best = _mm512_set1_ps(-INFINITY);                                          \
+                for (int64_t t = 0; t < length; t += 16) {                                        \
+                    const __mmask16 m = length - t >= 16 ? 0xffff : (__mmask16)((1u << (length - t)) - 1); \
+                    best = _mm512_mask_max_ps(best, m, best, _mm512_maskz_loadu_ps(m, sg + t));   \
+                }                                                                                 \
+                const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));                    \
+                __m512 total = _mm512_setzero_ps();                                               \
+                for (int64_t t = 0; t < length; t += 16) {                                        \
+                    const __mmask16 m = length - t >= 16 ? 0xffff : (__mmask16)((1u << (length - t)) - 1); \
+                    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), top)); \
+                    _mm512_mask_storeu_ps(sg + t, m, e);                                          \
+                    total = _mm512_mask_add_ps(total, m, total, e);                               \
+                }                                                                                 \
+                inverse[g] = 1.0f / _mm512_reduce_add_ps(total);                                  \
+            }                                                                                     \
+            for (int64_t start = 0; start < length; start += block_size) {                        \
+                const int64_t base = table[start / block_size] * block_size;                      \
+                const int64_t stop = length - start < block_size ? length - start : block_size;   \
+                for (int64_t offset = 0; offset < stop; ++offset) {                               \
+                    const T *v = value_cache + (base + offset) * token_stride + kv_head * HEAD_DIM; \
+                    __m512 row[V];                                                                \
+                    for (int j = 0; j < V; ++j) row[j] = LOAD16(v + 16 * j);                      \
+                    for (int64_t g = 0; g < group; ++g) {                                         \
+                        const __m512 w = _mm512_set1_ps(scores[g * length + start + offset]);     \
+                        for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(w, row[j], acc[g][j]); \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            T *o = out + (seq * num_heads + kv_head * group) * HEAD_DIM;                          \
+            for (int64_t g = 0; g < group; ++g)                                                   \
+                for (int j = 0; j < V; ++j)                                                       \
+                    STORE16(o + g * HEAD_DIM + 16 * j,                                            \
+                            _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inverse[g])));                \
+        }                                                                                         \
+        free(scores);                                                                             \
+    }                                                                                             \
+}
+
+DEFINE_PAGED_DECODE_AVX512(paged_decode_bf16_64, uint16_t, load16_bf16, store16_bf16, paged_decode_bf16, 64)
+DEFINE_PAGED_DECODE_AVX512(paged_decode_bf16_128, uint16_t, load16_bf16, store16_bf16, paged_decode_bf16, 128)
+DEFINE_PAGED_DECODE_AVX512(paged_decode_f32_64, float, load16_f32, store16_f32, paged_decode_f32, 64)
+DEFINE_PAGED_DECODE_AVX512(paged_decode_f32_128, float, load16_f32, store16_f32, paged_decode_f32, 128)
+#else
+/* Without AVX-512 the head_dim-specific entry points are the portable kernel. */
+#define DEFINE_ALIAS(NAME, PORTABLE, T)                                                           \
+void NAME(const T *query, const T *key_cache, const T *value_cache,                               \
+          const int64_t *block_tables, const int64_t *seq_lens, T *out,                           \
+          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,            \
+          int64_t block_size, int64_t max_blocks, float scale) {                                  \
+    PORTABLE(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_heads,     \
+             num_kv_heads, head_dim, block_size, max_blocks, scale);                              \
+}
+DEFINE_ALIAS(paged_decode_bf16_64, paged_decode_bf16, uint16_t)
+DEFINE_ALIAS(paged_decode_bf16_128, paged_decode_bf16, uint16_t)
+DEFINE_ALIAS(paged_decode_f32_64, paged_decode_f32, float)
+DEFINE_ALIAS(paged_decode_f32_128, paged_decode_f32, float)
+#endif
