@@ -157,6 +157,8 @@ def paged_attention(
     check_cache_dtype(key_cache.dtype)
     if key_cache.dtype != query.dtype or (k_scale, v_scale) != (1.0, 1.0):
         raise ValueError("the cpu attention backend reads caches of the query's dtype, unscaled")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the cpu attention backend reads contiguous caches")  # raw pointers
     if attention_plan.only_decodes:
         decode_query = query.contiguous()
         out = decode_out = torch.empty_like(decode_query)
