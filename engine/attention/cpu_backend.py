@@ -115,7 +115,11 @@ class CpuAttentionPlan:
     decode_rows: torch.Tensor  # [d] the decodes' query rows
     decode_block_tables: torch.Tensor  # [d, max_blocks] int64, contiguous
     decode_seq_lens: torch.Tensor  # [d] int64
-    only_decodes: bool  # every row is a decode, in order: no gather or scatter needed
+
+    @property
+    def only_decodes(self) -> bool:
+        """Every row is a decode, in order: no gather or scatter needed."""
+        return not self.torch_plan.groups
 
 
 def plan(meta: AttentionMetadata) -> CpuAttentionPlan:
@@ -128,7 +132,6 @@ def plan(meta: AttentionMetadata) -> CpuAttentionPlan:
         decode_rows=meta.query_start_loc[decodes].to(torch.int64),
         decode_block_tables=meta.block_tables[decodes].to(torch.int64).contiguous(),
         decode_seq_lens=meta.seq_lens[decodes].to(torch.int64),
-        only_decodes=others.numel() == 0,
     )
 
 

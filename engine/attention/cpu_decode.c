@@ -3,8 +3,8 @@
  *
  * The torch backend gathers every sequence's blocks into a padded copy before attending (and
  * pads contexts within a group), so a decode step moves the K/V bytes three times; here each
- * (sequence, query head) pair walks its block table once: scores q.k for every position, a
- * softmax, and the weighted sum of V, in float32. Work items are spread over torch's own OpenMP
+ * (sequence, KV head) walks its block table once: scores q.k for every position, a softmax,
+ * and the weighted sum of V, in float32. Work items are spread over torch's own OpenMP
  * runtime (libgomp is loaded by torch under the same soname, so this library shares its teams).
  *
  * Layouts (contiguous): query and out [num_seqs, num_heads, head_dim]; caches
@@ -28,6 +28,14 @@ static inline uint16_t float_to_bf16(float number) {
     return (uint16_t)(value.u >> 16);
 }
 
+/* 2^f on [0, 1): a degree-6 polynomial, shared by the scalar and the AVX-512 softmax. */
+#define EXP2_C6 1.535336188319500e-4f
+#define EXP2_C5 1.339887440266574e-3f
+#define EXP2_C4 9.618437357674640e-3f
+#define EXP2_C3 5.550332471162809e-2f
+#define EXP2_C2 2.402264791363012e-1f
+#define EXP2_C1 6.931472028550421e-1f
+
 /* exp(x) for x <= 0 (scores minus their maximum) as 2^(x log2 e): the integer part goes to the
  * exponent bits, the fraction through a degree-6 polynomial of 2^f (relative error ~2e-7).
  * Plain arithmetic, so the softmax loop vectorizes (libm's expf would be called per element). */
@@ -37,12 +45,12 @@ static inline float exp_nonpositive(float x) {
     const int32_t truncated = (int32_t)t; /* toward zero: floor is one less for a fraction */
     const int32_t whole = truncated - ((float)truncated > t);
     const float f = t - (float)whole;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
+    float p = EXP2_C6;
+    p = p * f + EXP2_C5;
+    p = p * f + EXP2_C4;
+    p = p * f + EXP2_C3;
+    p = p * f + EXP2_C2;
+    p = p * f + EXP2_C1;
     p = p * f + 1.0f;
     union { uint32_t u; float f; } scale = { .u = (uint32_t)(whole + 127) << 23 };
     return p * scale.f;
@@ -65,8 +73,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
-static inline float float_to_float(float number) { return number; }
-static inline float float_from_float(float number) { return number; }
+static inline float same_float(float number) { return number; }
 
 /* One work item is a (sequence, KV head): the query heads that share the KV head are attended
  * together, so each K and V row is read and converted once. Positions are walked block by
@@ -147,7 +154,7 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
 }
 
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16, any_head_dim)
-DEFINE_PAGED_DECODE(paged_decode_f32, float, float_to_float, float_from_float, any_head_dim)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, same_float, same_float, any_head_dim)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* AVX-512, head_dim 64 and 128 (most models): the same algorithm with each row as 4 or 8
@@ -175,12 +182,12 @@ static inline __m512 exp16_nonpositive(__m512 x) {
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, whole);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    __m512 p = _mm512_set1_ps(EXP2_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, whole);
 }
