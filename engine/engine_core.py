@@ -18,7 +18,7 @@ from llmpool.engine.config import EngineConfig
 from llmpool.engine.detokenizer import IncrementalDetokenizer
 from llmpool.engine.kv_cache_manager import KVCacheManager
 from llmpool.engine.model_runner import ModelRunner
-from llmpool.engine.models import linear
+from llmpool.engine.models import bf16_gemm, linear
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
 from llmpool.engine.models.loader import SUPPORTED_MODEL_TYPES, load_weights
 from llmpool.engine.models.quantization import (
@@ -149,25 +149,40 @@ class EngineCore:
         )
 
     def _choose_bfloat16_gemm(self) -> None:
-        """Upcast many-row bfloat16 GEMMs to float32 where this CPU runs those faster.
+        """Pick this CPU's faster bfloat16 GEMMs: the C kernel for decode rows, float32 for
+        prefill rows.
 
         Measured on the model's widest projection, so that the choice follows the CPU (this
-        project's Intel Xeon without AMX: float32 1.3-1.6x as fast at prefill sizes; where
-        bfloat16 has the faster GEMM, as with AMX, it stays bfloat16).
+        project's Intel Xeon without AMX: the kernel ~1.8x as fast at 16 rows, float32 1.3-1.6x
+        at prefill sizes; where oneDNN's bfloat16 GEMM is the faster, as with AMX, it stays).
         """
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return
         projection = self.model.layers[0].gate_up_proj
         if not isinstance(projection, linear.Linear):  # quantized layers have their own kernels
             return
-        speedup = linear.probe_bfloat16_upcast(projection.weight.detach())
-        upcast = speedup >= linear.BFLOAT16_UPCAST_MIN_SPEEDUP
+        weight = projection.weight.detach()
+        if bf16_gemm.available():
+            kernel_speedup = linear.probe_bfloat16_kernel(weight)
+            kernel = kernel_speedup >= linear.BFLOAT16_KERNEL_MIN_SPEEDUP
+            kernel_says = (
+                f"the C kernel runs {linear.BFLOAT16_KERNEL_PROBE_ROWS} rows"
+                f" {kernel_speedup:.2f}x as fast, so GEMMs of up to"
+                f" {linear.BFLOAT16_KERNEL_MAX_ROWS} rows"
+                + (" run in it" if kernel else " stay in torch")
+            )
+        else:
+            kernel, kernel_says = False, "no C kernel (it needs AVX-512 and a C compiler)"
+        linear.set_bfloat16_kernel(linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None)
+        upcast_speedup = linear.probe_bfloat16_upcast(weight)
+        upcast = upcast_speedup >= linear.BFLOAT16_UPCAST_MIN_SPEEDUP
         linear.set_bfloat16_upcast(linear.BFLOAT16_UPCAST_MIN_ROWS if upcast else None)
         logger.info(
-            "bfloat16 GEMMs: float32 runs %d rows %.2fx as fast on this CPU, so GEMMs of %d+ rows"
-            " %s",
+            "bfloat16 GEMMs on this CPU: %s; float32 runs %d rows %.2fx as fast, so larger GEMMs"
+            " of %d+ rows %s",
+            kernel_says,
             linear.BFLOAT16_UPCAST_PROBE_ROWS,
-            speedup,
+            upcast_speedup,
             linear.BFLOAT16_UPCAST_MIN_ROWS,
             "run in float32" if upcast else "stay in bfloat16",
         )

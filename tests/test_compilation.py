@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmpool.engine import LLM, SamplingParams, compilation
-from llmpool.engine.models import linear
+from llmpool.engine.models import bf16_gemm, linear
 
 
 def test_sizes_cover_one_token_each_power_of_two_one_past_it_and_the_largest() -> None:
@@ -56,19 +56,28 @@ def test_compiled_int8_in_float32_agrees_with_eager() -> None:
 
 
 @pytest.mark.slow
-def test_compiled_bfloat16_with_upcast_prefills_compile_nothing_after_start(
+def test_compiled_bfloat16_gemm_choices_compile_nothing_after_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Prefill chunks of 128+ rows take the upcast branch of ``linear``: a size branch that the
-    start-up compile must have covered, and the same function as eager under the same choice."""
+    """Decodes and chunks of up to 256 rows take ``linear``'s C-kernel branch (an opaque op in
+    the graph) where the kernel is built, larger prefill chunks its upcast branch: size branches
+    that the start-up compile must have covered, and the same functions as eager."""
+    kernel = bf16_gemm.available()
     monkeypatch.setattr(linear, "_bfloat16_upcast_min_rows", None)
+    monkeypatch.setattr(linear, "_bfloat16_kernel_max_rows", None)
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", lambda weight: 2.0)
-    prompts = ["Write a poem about the sea. " * 30, "The capital of France is"]
+    monkeypatch.setattr(linear, "probe_bfloat16_kernel", lambda weight: 2.0)
+    # ~450 tokens, so the prefill takes the upcast branch; not a repeated phrase, whose
+    # continuations are near-ties that bfloat16 rounding (fused or not) flips
+    prompts = [", ".join(str(number) for number in range(120)), "The capital of France is"]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     tokens = {}
     for compiled in (False, True):
-        llm = LLM(dtype="bfloat16", compile=compiled, max_num_batched_tokens=256)
+        llm = LLM(dtype="bfloat16", compile=compiled, max_num_batched_tokens=512)
         assert linear.bfloat16_upcast_min_rows() == linear.BFLOAT16_UPCAST_MIN_ROWS
+        assert linear.bfloat16_kernel_max_rows() == (
+            linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None
+        )
         graphs_before = compilation.num_compiled_graphs()
         tokens[compiled] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
         assert compilation.num_compiled_graphs() == graphs_before

@@ -1,4 +1,5 @@
-"""CPU GEMM choices of ``models.linear``: each equals a plain matmul of the same operands."""
+"""CPU GEMM choices of ``models.linear``: each equals a plain matmul of the same operands, up to
+summation order."""
 
 from __future__ import annotations
 
@@ -10,22 +11,39 @@ from torch import nn
 
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
-from llmpool.engine.models import linear
+from llmpool.engine.models import bf16_gemm, linear
 
 IN, OUT = 576, 320
 
+needs_kernel = pytest.mark.skipif(
+    not bf16_gemm.available(), reason="the bfloat16 GEMM kernel needs AVX-512 and a C compiler"
+)
+
 
 @pytest.fixture(autouse=True)
-def restore_upcast(monkeypatch: pytest.MonkeyPatch) -> None:
+def restore_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear, "_bfloat16_upcast_min_rows", linear.bfloat16_upcast_min_rows())
+    monkeypatch.setattr(linear, "_bfloat16_kernel_max_rows", linear.bfloat16_kernel_max_rows())
+    linear.set_bfloat16_kernel(None)
 
 
-def operands(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, IN, generator=generator).to(dtype)
-    weight = (torch.randn(OUT, IN, generator=generator) / IN**0.5).to(dtype)
-    bias = torch.randn(OUT, generator=generator).to(dtype)
+def operands(
+    rows: int, dtype: torch.dtype, inputs: int = IN, outputs: int = OUT
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(rows * 7919 + inputs + outputs)
+    x = torch.randn(rows, inputs, generator=generator).to(dtype)
+    weight = (torch.randn(outputs, inputs, generator=generator) / inputs**0.5).to(dtype)
+    bias = torch.randn(outputs, generator=generator).to(dtype)
     return x, weight, bias
+
+
+def assert_no_less_exact(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out``'s error against the float64 product is at most that of torch's bfloat16 GEMM."""
+    exact = nn.functional.linear(x.double(), weight.double())
+    native = nn.functional.linear(x, weight)
+    error = (out.double() - exact).abs().mean()
+    native_error = (native.double() - exact).abs().mean()
+    assert error <= native_error * 1.05, (error, native_error)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 65, 300])
@@ -58,16 +76,62 @@ def test_bfloat16_from_the_threshold_runs_in_float32_and_is_no_less_exact(rows: 
     assert upcast_error <= native_error * 1.05, (upcast_error, native_error)
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 64, 256])
+@pytest.mark.parametrize(("inputs", "outputs"), [(576, 320), (1536, 7), (100, 4), (31, 5)])
+def test_the_kernel_is_the_float32_product_rounded_to_bfloat16(
+    rows: int, inputs: int, outputs: int
+) -> None:
+    """Every tile shape: 1 row and 4-row tiles with remainders, outputs past a multiple of 4,
+    inputs of whole 32-element chunks, a tail, and a tail alone."""
+    x, weight, _ = operands(rows, torch.bfloat16, inputs, outputs)
+    out = bf16_gemm.bf16_linear(x, weight)
+    assert out.dtype == torch.bfloat16
+    assert out.shape == (rows, outputs)
+    product = nn.functional.linear(x.float(), weight.float())
+    # float32 sums differing only in order, each rounded once to bfloat16 (2^-8 relative)
+    torch.testing.assert_close(out.float(), product, rtol=2**-8, atol=1e-6)
+    assert_no_less_exact(out, x, weight)
+
+
+@needs_kernel
+def test_the_kernel_takes_strided_rows_and_refuses_other_dtypes() -> None:
+    x, weight, _ = operands(8, torch.bfloat16)
+    strided = torch.cat([x, x], dim=1)[:, :IN]
+    assert torch.equal(bf16_gemm.bf16_linear(strided, weight), bf16_gemm.bf16_linear(x, weight))
+    assert bf16_gemm.bf16_linear(x[:0], weight).shape == (0, OUT)
+    with pytest.raises(ValueError, match="bfloat16"):
+        bf16_gemm.bf16_linear(x.float(), weight.float())
+    with pytest.raises(ValueError, match="shapes"):
+        bf16_gemm.bf16_linear(x[:, :-1], weight)
+
+
+@needs_kernel
+def test_with_the_kernel_bfloat16_runs_in_it_up_to_its_rows_then_in_float32() -> None:
+    linear.set_bfloat16_kernel(256)
+    linear.set_bfloat16_upcast(128)
+    for rows in (1, 16, 256):
+        x, weight, bias = operands(rows, torch.bfloat16)
+        expected = bf16_gemm.bf16_linear(x, weight) + bias
+        assert torch.equal(linear.linear(x, weight, bias), expected)
+    x, weight, bias = operands(257, torch.bfloat16)
+    expected = nn.functional.linear(x.float(), weight.float(), bias.float())
+    assert torch.equal(linear.linear(x, weight, bias), expected.to(torch.bfloat16))
+
+
 def test_without_upcast_every_size_runs_in_bfloat16() -> None:
     linear.set_bfloat16_upcast(None)
     x, weight, bias = operands(300, torch.bfloat16)
     assert torch.equal(linear.linear(x, weight, bias), nn.functional.linear(x, weight, bias))
 
 
-def test_the_probe_measures_a_positive_ratio() -> None:
+def test_the_probes_measure_positive_ratios() -> None:
     _, weight, _ = operands(1, torch.bfloat16)
     speedup = linear.probe_bfloat16_upcast(weight, rows=64, repeats=3)
     assert 0 < speedup < float("inf")
+    if bf16_gemm.available():
+        speedup = linear.probe_bfloat16_kernel(weight, rows=16, repeats=3)
+        assert 0 < speedup < float("inf")
 
 
 @pytest.mark.parametrize(("speedup", "expected"), [(2.0, 128), (1.0, None)])
@@ -84,16 +148,21 @@ def test_a_bfloat16_engine_upcasts_as_its_probe_says(
         return speedup
 
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", probe)
+    monkeypatch.setattr(linear, "probe_bfloat16_kernel", probe)
     linear.set_bfloat16_upcast(64)
     with caplog.at_level(logging.INFO, logger="llmpool.engine.engine_core"):
         core = EngineCore(
             EngineConfig(dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
         )
-    assert probed == [core.model.layers[0].gate_up_proj.weight.shape]
+    kernel = bf16_gemm.available()
+    assert probed == [core.model.layers[0].gate_up_proj.weight.shape] * (1 + kernel)
     assert linear.bfloat16_upcast_min_rows() == expected
+    expected_kernel = linear.BFLOAT16_KERNEL_MAX_ROWS if kernel and speedup > 1.1 else None
+    assert linear.bfloat16_kernel_max_rows() == expected_kernel
     assert f"{speedup:.2f}x as fast" in caplog.text
 
 
 def test_a_float32_engine_does_not_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", pytest.fail)
+    monkeypatch.setattr(linear, "probe_bfloat16_kernel", pytest.fail)
     EngineCore(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory="16MiB"))

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmpool.engine import cpu_kernels
 from llmpool.engine.attention import (
     CPU,
     TORCH,
@@ -156,7 +157,7 @@ def test_auto_picks_the_cpu_backend_for_its_cache_dtypes(monkeypatch: pytest.Mon
     assert select_backend(cpu, "torch", torch.float32) is TORCH
     with pytest.raises(ValueError, match="bfloat16 or float32 caches"):
         check_kv_cache_dtype(CPU, FP8_DTYPE, cpu)
-    monkeypatch.setattr(cpu_backend, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
     monkeypatch.setattr(cpu_backend, "_library", lambda: cpu_backend.build([]))
     assert select_backend(cpu, "auto", torch.float32) is TORCH  # no compiler: torch
     with pytest.raises(ValueError, match="C compiler"):
@@ -202,7 +203,7 @@ def test_a_kernel_that_cannot_be_loaded_leaves_the_torch_backend(
     def refuse(path: str) -> None:
         raise OSError(f"{path}: failed to map segment from shared object")
 
-    monkeypatch.setattr(cpu_backend.ctypes, "CDLL", refuse)
+    monkeypatch.setattr(cpu_kernels.ctypes, "CDLL", refuse)
     monkeypatch.setattr(cpu_backend, "_library", lambda: cpu_backend.build([]))
     assert cpu_backend.build([]) is None
     assert select_backend(torch.device("cpu"), "auto", torch.float32) is TORCH

@@ -5,34 +5,23 @@ copy, then attends over the copy: at 16 decodes of 40-700-token contexts that is
 step. Here every decode of the step is one call of a small C kernel that reads the blocks where
 they lie. Prefills and other multi-token queries keep the torch path.
 
-The kernel is built with the machine's C compiler the first time it is needed and cached under
-``LLMPOOL_KERNEL_CACHE`` (default: ``$TMPDIR/llmpool-kernels-<uid>``, the pod's writable /tmp),
-keyed by the source and the flags. Without a compiler, or where the cache cannot hold code
-(a ``noexec`` mount), the backend is unavailable and ``auto`` picks the torch backend (logged;
-the start-up line and ``/fingerprint`` name the backend in use).
+The kernel is built at first use (``cpu_kernels``). Without a compiler, or where the cache
+cannot hold code (a ``noexec`` mount), the backend is unavailable and ``auto`` picks the torch
+backend (logged; the start-up line and ``/fingerprint`` name the backend in use).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from llmpool.engine import cpu_kernels
 from llmpool.engine.attention import torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
-from llmpool.engine.cpu_features import cpu_flags
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
@@ -44,63 +33,18 @@ KERNELS = {
 }
 
 
-def _arch_flags() -> list[str]:
-    """Instruction sets from /proc/cpuinfo, never -march=native (which fails on some VMs)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return []
-    flags = cpu_flags()
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return ["-march=x86-64-v4", "-mprefer-vector-width=512"]
-    if {"avx2", "fma", "f16c", "bmi2"} <= flags:
-        return ["-march=x86-64-v3"]
-    return []
-
-
-def _compiler() -> str | None:
-    return shutil.which("gcc") or shutil.which("cc")
-
-
-def _cache_dir() -> Path:
-    default = Path(tempfile.gettempdir()) / f"llmpool-kernels-{os.getuid()}"
-    return Path(os.environ.get("LLMPOOL_KERNEL_CACHE", default))
+SIGNATURE = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
 
 
 def build(arch_flags: list[str]) -> ctypes.CDLL | None:
-    """Build (once per source and flags) and load the kernel; None where that fails (logged)."""
-    compiler = _compiler()
-    if compiler is None:
-        return None
-    flags = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", *arch_flags]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"cpu_decode-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        built = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"],
-            capture_output=True,
-            text=True,
-        )
-        if built.returncode != 0:
-            logger.warning("cannot build the CPU decode kernel: %s", built.stderr.strip()[-2000:])
-            return None
-        partial.replace(path)  # atomic: concurrent builders each leave a whole file
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as error:  # e.g. a cache on a noexec mount
-        logger.warning("cannot load the CPU decode kernel from %s: %s", path.parent, error)
-        return None
-    for name in KERNELS.values():
-        function = getattr(library, name)
-        function.restype = None
-        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-    return library
+    """The kernel built with ``arch_flags`` (``[]``: the portable build)."""
+    return cpu_kernels.build(SOURCE, arch_flags, dict.fromkeys(KERNELS.values(), SIGNATURE))
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The kernel built for this CPU's instruction sets."""
-    return build(_arch_flags())
+    return build(cpu_kernels.arch_flags())
 
 
 def available() -> bool:

@@ -1,9 +1,12 @@
 """Linear layers that pick the faster GEMM for the rows at hand on CPU.
 
-Two choices, both exact up to summation order:
+Three choices, each exact up to summation order:
 
 - float32, few rows: ``W·xᵀ`` instead of ``x·Wᵀ`` (``CPU_TRANSPOSED_MAX_ROWS``).
-- bfloat16, many rows: the GEMM in float32 on the upcast operands, on CPUs whose float32 GEMM
+- bfloat16, up to ``BFLOAT16_KERNEL_MAX_ROWS`` rows: the C kernel of ``bf16_gemm``, which reads
+  the bfloat16 weight and multiplies in float32, on CPUs where it outruns oneDNN
+  (``probe_bfloat16_kernel``).
+- bfloat16, more rows: the GEMM in float32 on the upcast operands, on CPUs whose float32 GEMM
   outruns their bfloat16 one (``probe_bfloat16_upcast``). A product of two bfloat16 values is
   exact in float32 and oneDNN's bfloat16 GEMM accumulates in float32 too, so only the
   summation order differs.
@@ -13,9 +16,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from llmpool.engine.models import bf16_gemm
 
 # Up to this many rows, W·xᵀ beats x·Wᵀ in float32 on CPU (MKL on 2 threads, SmolLM2's layer
 # shapes: 1.9x at 16 rows, 1.1x at 64, slower from about 96 rows, where prefill batches live).
@@ -33,7 +39,14 @@ BFLOAT16_UPCAST_MIN_ROWS = 128
 BFLOAT16_UPCAST_PROBE_ROWS = 256
 BFLOAT16_UPCAST_MIN_SPEEDUP = 1.2
 
+# Up to this many rows the C kernel outruns the float32 upcast too (1.1x at 256 rows here, 0.7x
+# at 512), and its probe asks about a decode step's rows.
+BFLOAT16_KERNEL_MAX_ROWS = 256
+BFLOAT16_KERNEL_PROBE_ROWS = 16
+BFLOAT16_KERNEL_MIN_SPEEDUP = 1.1
+
 _bfloat16_upcast_min_rows: int | None = None
+_bfloat16_kernel_max_rows: int | None = None
 
 
 def set_bfloat16_upcast(min_rows: int | None) -> None:
@@ -50,23 +63,55 @@ def bfloat16_upcast_min_rows() -> int | None:
     return _bfloat16_upcast_min_rows
 
 
-def probe_bfloat16_upcast(
-    weight: torch.Tensor, rows: int = BFLOAT16_UPCAST_PROBE_ROWS, repeats: int = 7
-) -> float:
-    """How many times faster ``rows`` rows against the bfloat16 ``weight`` run upcast to
-    float32 than in bfloat16 on this CPU, the conversions counted (median of interleaved runs).
+def set_bfloat16_kernel(max_rows: int | None) -> None:
+    """Run bfloat16 GEMMs of at most ``max_rows`` rows on CPU in ``bf16_gemm`` (None: never).
+
+    Process-wide, like ``set_bfloat16_upcast``.
     """
-    x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
+    global _bfloat16_kernel_max_rows
+    _bfloat16_kernel_max_rows = max_rows
+
+
+def bfloat16_kernel_max_rows() -> int | None:
+    return _bfloat16_kernel_max_rows
+
+
+def _speedup(native: Callable[[], object], candidate: Callable[[], object], repeats: int) -> float:
+    """How many times faster ``candidate`` runs than ``native`` (median of interleaved runs, the
+    first pair dropped as warm-up)."""
     ratios = []
     with torch.inference_mode():
         for _ in range(repeats):
             started = time.perf_counter()
-            nn.functional.linear(x, weight)
-            native = time.perf_counter() - started
+            native()
+            native_seconds = time.perf_counter() - started
             started = time.perf_counter()
-            _upcast_linear(x, weight, None)
-            ratios.append(native / (time.perf_counter() - started))
+            candidate()
+            ratios.append(native_seconds / (time.perf_counter() - started))
     return statistics.median(ratios[1:])
+
+
+def probe_bfloat16_upcast(
+    weight: torch.Tensor, rows: int = BFLOAT16_UPCAST_PROBE_ROWS, repeats: int = 7
+) -> float:
+    """How many times faster ``rows`` rows against the bfloat16 ``weight`` run upcast to
+    float32 than in bfloat16 on this CPU, the conversions counted.
+    """
+    x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
+    return _speedup(
+        lambda: nn.functional.linear(x, weight), lambda: _upcast_linear(x, weight, None), repeats
+    )
+
+
+def probe_bfloat16_kernel(
+    weight: torch.Tensor, rows: int = BFLOAT16_KERNEL_PROBE_ROWS, repeats: int = 7
+) -> float:
+    """How many times faster ``bf16_gemm`` multiplies ``rows`` rows by the bfloat16 ``weight``
+    than torch does on this CPU."""
+    x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
+    return _speedup(
+        lambda: nn.functional.linear(x, weight), lambda: bf16_gemm.bf16_linear(x, weight), repeats
+    )
 
 
 def _upcast_linear(
@@ -86,6 +131,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or x.dim() != 2:
         return nn.functional.linear(x, weight, bias)
     if x.dtype == torch.bfloat16:
+        max_rows = _bfloat16_kernel_max_rows
+        if max_rows is not None and x.shape[0] <= max_rows:
+            out = bf16_gemm.linear(x, weight)
+            return out if bias is None else out + bias
         min_rows = _bfloat16_upcast_min_rows
         if min_rows is not None and x.shape[0] >= min_rows:
             return _upcast_linear(x, weight, bias)

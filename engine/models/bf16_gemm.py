@@ -1,0 +1,71 @@
+"""Few-row bfloat16 GEMMs on AVX-512 CPUs: ``bf16_gemm.c``, and the op that calls it.
+
+Decode steps multiply a few rows by every weight. oneDNN's bfloat16 GEMM runs those well under
+the memory roof on CPUs without AMX; the kernel reads the bfloat16 weight once and multiplies
+in float32 (on this project's 2-core Xeon, SmolLM2's 30 layers and head: 1.4x at 1 row, 1.8x at
+16, 1.5x at 64, 1.4x at 128; ``benchmarks/bf16_gemm.py``). Whether it is used is measured at
+start (``linear.probe_bfloat16_kernel``), as CPUs with AMX may be faster in oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from llmpool.engine import cpu_kernels
+
+SOURCE = Path(__file__).with_name("bf16_gemm.c")
+SIGNATURES = {"bf16_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The kernel, on CPUs with AVX-512 (its only build)."""
+    if cpu_kernels.arch_flags() != cpu_kernels.AVX512_BUILD:
+        return None
+    return cpu_kernels.build(SOURCE, cpu_kernels.AVX512_BUILD, SIGNATURES)
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for 2-D bfloat16 CPU tensors."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the bfloat16 GEMM kernel is not built")
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"bf16_linear multiplies bfloat16, not {x.dtype} by {weight.dtype}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"bf16_linear: shapes {tuple(x.shape)} and {tuple(weight.shape)}")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    if out.numel():
+        library.bf16_linear(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), *x.shape[:1], *weight.shape
+        )
+    return out
+
+
+# Low-level Library API, as for ``llmpool::attention`` (a few us a call, not ~15).
+_library_fragment = torch.library.Library("llmpool", "FRAGMENT")
+_library_fragment.define("bf16_linear(Tensor x, Tensor weight) -> Tensor")
+_library_fragment.impl("bf16_linear", bf16_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("llmpool::bf16_linear")
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The opaque op inside a compiled region (inductor cannot trace a ctypes call), the
+    function outside."""
+    if torch.compiler.is_compiling():
+        return torch.ops.llmpool.bf16_linear(x, weight)
+    return bf16_linear(x, weight)
