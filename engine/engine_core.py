@@ -165,27 +165,24 @@ class EngineCore:
         if bf16_gemm.available():
             kernel_speedup = linear.probe_bfloat16_kernel(weight)
             kernel = kernel_speedup >= linear.BFLOAT16_KERNEL_MIN_SPEEDUP
-            kernel_says = (
+            says = [
                 f"the C kernel runs {linear.BFLOAT16_KERNEL_PROBE_ROWS} rows"
                 f" {kernel_speedup:.2f}x as fast, so GEMMs of up to"
                 f" {linear.BFLOAT16_KERNEL_MAX_ROWS} rows"
                 + (" run in it" if kernel else " stay in torch")
-            )
+            ]
         else:
-            kernel, kernel_says = False, "no C kernel (it needs AVX-512 and a C compiler)"
+            kernel, says = False, ["no C kernel (it needs AVX-512 and a C compiler)"]
         linear.set_bfloat16_kernel(linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None)
         upcast_speedup = linear.probe_bfloat16_upcast(weight)
         upcast = upcast_speedup >= linear.BFLOAT16_UPCAST_MIN_SPEEDUP
         linear.set_bfloat16_upcast(linear.BFLOAT16_UPCAST_MIN_ROWS if upcast else None)
-        logger.info(
-            "bfloat16 GEMMs on this CPU: %s; float32 runs %d rows %.2fx as fast, so larger GEMMs"
-            " of %d+ rows %s",
-            kernel_says,
-            linear.BFLOAT16_UPCAST_PROBE_ROWS,
-            upcast_speedup,
-            linear.BFLOAT16_UPCAST_MIN_ROWS,
-            "run in float32" if upcast else "stay in bfloat16",
+        says.append(
+            f"float32 runs {linear.BFLOAT16_UPCAST_PROBE_ROWS} rows {upcast_speedup:.2f}x as"
+            f" fast, so larger GEMMs of {linear.BFLOAT16_UPCAST_MIN_ROWS}+ rows"
+            + (" run in float32" if upcast else " stay in bfloat16")
         )
+        logger.info("bfloat16 GEMMs on this CPU: %s", "; ".join(says))
 
     def _compile(self) -> None:
         compilation.check_can_compile(self.device)

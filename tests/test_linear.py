@@ -100,6 +100,9 @@ def test_the_kernel_takes_strided_rows_and_refuses_other_dtypes() -> None:
     strided = torch.cat([x, x], dim=1)[:, :IN]
     assert torch.equal(bf16_gemm.bf16_linear(strided, weight), bf16_gemm.bf16_linear(x, weight))
     assert bf16_gemm.bf16_linear(x[:0], weight).shape == (0, OUT)
+    x[3, 5] = float("nan")
+    out = bf16_gemm.bf16_linear(x, weight)
+    assert out[3].isnan().all() and not out[[0, 1, 2, 4]].isnan().any()
     with pytest.raises(ValueError, match="bfloat16"):
         bf16_gemm.bf16_linear(x.float(), weight.float())
     with pytest.raises(ValueError, match="shapes"):

@@ -32,12 +32,14 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-/* Four floats to bfloat16, rounded to nearest even, in the low 64 bits. */
+/* Four floats to bfloat16, rounded to nearest even (NaN stays a quiet NaN), in the low 64 bits. */
 static inline __m128i to_bf16(__m128 value) {
     const __m128i bits = _mm_castps_si128(value);
     const __m128i odd = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
     const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, _mm_add_epi32(_mm_set1_epi32(0x7fff), odd)), 16);
-    return _mm_packus_epi32(rounded, rounded);
+    const __m128i quiet_nan = _mm_or_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(0x40));
+    const __m128i result = _mm_mask_mov_epi32(rounded, _mm_cmp_ps_mask(value, value, _CMP_UNORD_Q), quiet_nan);
+    return _mm_packus_epi32(result, result);
 }
 
 /* Weight row j's next 32 values as float32 (even and odd elements), prefetching the same bytes of
