@@ -3,7 +3,8 @@
 ``LlamaForCausalLM.compile_decoder`` wraps the decoder in ``torch.compile`` with dynamic sizes.
 Dynamo still makes a graph per branch a size takes: one token (0/1 specialization), and each
 threshold the GEMMs branch on (``linear.CPU_TRANSPOSED_MAX_ROWS``,
-``linear.BFLOAT16_UPCAST_MIN_ROWS``, the int8 kernel's rows).
+``linear.BFLOAT16_KERNEL_MAX_ROWS``, ``linear.BFLOAT16_UPCAST_MIN_ROWS``, the int8 kernel's
+rows).
 Those thresholds sit at powers of two, so ``compile_sizes`` runs one forward at 1, at every
 power of two and one past it, and at the step's largest size, before the engine takes a
 request; ``test_engine_vs_hf.py``'s "compiled" case checks that nothing compiles after that.

@@ -59,7 +59,7 @@ def test_compiled_int8_in_float32_agrees_with_eager() -> None:
 def test_compiled_bfloat16_gemm_choices_compile_nothing_after_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Decodes and chunks of up to 256 rows take ``linear``'s C-kernel branch (an opaque op in
+    """Decodes and chunks of up to 128 rows take ``linear``'s C-kernel branch (an opaque op in
     the graph) where the kernel is built, larger prefill chunks its upcast branch: size branches
     that the start-up compile must have covered, and the same functions as eager."""
     kernel = bf16_gemm.available()

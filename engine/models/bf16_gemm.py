@@ -2,8 +2,8 @@
 
 Decode steps multiply a few rows by every weight. oneDNN's bfloat16 GEMM runs those well under
 the memory roof on CPUs without AMX; the kernel reads the bfloat16 weight once and multiplies
-in float32 (on this project's 2-core Xeon, SmolLM2's 30 layers and head: 1.4x at 1 row, 1.8x at
-16, 1.5x at 64, 1.4x at 128; ``benchmarks/bf16_gemm.py``). Whether it is used is measured at
+in float32 (on this project's 2-core Xeon, a step's GEMMs of SmolLM2: 1.5x at 1 row, 1.7x at 16,
+1.3x at 64 and at 128; ``benchmarks/bf16_gemm.py``). Whether it is used is measured at
 start (``linear.probe_bfloat16_kernel``), as CPUs with AMX may be faster in oneDNN.
 """
 

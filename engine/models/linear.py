@@ -39,9 +39,10 @@ BFLOAT16_UPCAST_MIN_ROWS = 128
 BFLOAT16_UPCAST_PROBE_ROWS = 256
 BFLOAT16_UPCAST_MIN_SPEEDUP = 1.2
 
-# Up to this many rows the C kernel outruns the float32 upcast too (1.1x at 256 rows here, 0.7x
-# at 512), and its probe asks about a decode step's rows.
-BFLOAT16_KERNEL_MAX_ROWS = 256
+# Up to this many rows the C kernel runs a step's GEMMs at least as fast as the float32 upcast
+# (1.5x at 64 rows, 1.03x at 128, 0.87x at 256 here; benchmarks/bf16_gemm.py), and its probe
+# asks about a decode step's rows.
+BFLOAT16_KERNEL_MAX_ROWS = 128
 BFLOAT16_KERNEL_PROBE_ROWS = 16
 BFLOAT16_KERNEL_MIN_SPEEDUP = 1.1
 
