@@ -77,7 +77,9 @@ def bfloat16_kernel_max_rows() -> int | None:
     return _bfloat16_kernel_max_rows
 
 
-def _speedup(native: Callable[[], object], candidate: Callable[[], object], repeats: int) -> float:
+def measure_speedup(
+    native: Callable[[], object], candidate: Callable[[], object], repeats: int
+) -> float:
     """How many times faster ``candidate`` runs than ``native`` (median of interleaved runs, the
     first pair dropped as warm-up)."""
     ratios = []
@@ -99,7 +101,7 @@ def probe_bfloat16_upcast(
     float32 than in bfloat16 on this CPU, the conversions counted.
     """
     x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
-    return _speedup(
+    return measure_speedup(
         lambda: nn.functional.linear(x, weight), lambda: _upcast_linear(x, weight, None), repeats
     )
 
@@ -110,7 +112,7 @@ def probe_bfloat16_kernel(
     """How many times faster ``bf16_gemm`` multiplies ``rows`` rows by the bfloat16 ``weight``
     than torch does on this CPU."""
     x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
-    return _speedup(
+    return measure_speedup(
         lambda: nn.functional.linear(x, weight), lambda: bf16_gemm.bf16_linear(x, weight), repeats
     )
 
