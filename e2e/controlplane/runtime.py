@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from . import network, versions
@@ -24,6 +25,23 @@ COREDNS_IMAGE = f"localhost/e2e/coredns:{versions.COREDNS}"
 
 class ContainerRuntimeError(RuntimeError):
     """containerd or one of its clients failed."""
+
+
+def _retry_vanished_snapshot(attempt: Callable[[], None]) -> None:
+    """Run an image import, once more if a snapshot vanished under it.
+
+    The root outlives clusters, so an earlier build of the image can leave unreferenced layer
+    snapshots behind. containerd's garbage collector may remove one after the unpacker found it
+    (and skipped that layer) but before the next layer is prepared on it: "parent snapshot ...
+    does not exist". Seen on a CI run after an image rebuild; the second import unpacked the
+    layer afresh and succeeded.
+    """
+    try:
+        attempt()
+    except ContainerRuntimeError as error:
+        if "does not exist" not in str(error):
+            raise
+        attempt()
 
 
 def root_dir() -> Path:
@@ -126,22 +144,30 @@ class Clients:
 
     def import_archive(self, archive: Path) -> None:
         """Import an OCI or ``docker save`` archive and unpack it for the overlayfs snapshotter."""
-        with archive.open("rb") as stream:
-            self._import(stream.fileno())
+
+        def attempt() -> None:
+            with archive.open("rb") as stream:
+                self._import(stream.fileno())
+
+        _retry_vanished_snapshot(attempt)
 
     def import_from_docker(self, image: str) -> None:
         """``docker save IMAGE | ctr images import -``: what ``kind load docker-image`` does."""
         docker = shutil.which("docker")
         if docker is None:
             raise ContainerRuntimeError("no docker client on PATH to save the image from")
-        save = subprocess.Popen([docker, "save", image], stdout=subprocess.PIPE)
-        assert save.stdout is not None
-        try:
-            self._import(save.stdout.fileno())
-        finally:
-            save.stdout.close()
-            if save.wait() != 0:
-                raise ContainerRuntimeError(f"docker save {image} exited {save.returncode}")
+
+        def attempt() -> None:
+            save = subprocess.Popen([docker, "save", image], stdout=subprocess.PIPE)
+            assert save.stdout is not None
+            try:
+                self._import(save.stdout.fileno())
+            finally:
+                save.stdout.close()
+                if save.wait() != 0:
+                    raise ContainerRuntimeError(f"docker save {image} exited {save.returncode}")
+
+        _retry_vanished_snapshot(attempt)
 
     def _import(self, stdin: int) -> None:
         self.ctr("images", "import", "--snapshotter=overlayfs", "-", stdin=stdin, timeout=1800)
