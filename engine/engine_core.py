@@ -18,8 +18,7 @@ from llmpool.engine.config import EngineConfig
 from llmpool.engine.detokenizer import IncrementalDetokenizer
 from llmpool.engine.kv_cache_manager import KVCacheManager
 from llmpool.engine.model_runner import ModelRunner
-from llmpool.engine.models import bf16_gemm, int4, int4_gemm, linear
-from llmpool.engine.models.int4 import Int4Linear
+from llmpool.engine.models import bf16_gemm, linear
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
 from llmpool.engine.models.loader import SUPPORTED_MODEL_TYPES, load_weights
 from llmpool.engine.models.quantization import (
@@ -124,7 +123,6 @@ class EngineCore:
         )
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv_cache_manager, self.device)
         self._choose_bfloat16_gemm()
-        self._choose_int4_gemm()
         if config.compile:
             self._compile()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -155,7 +153,7 @@ class EngineCore:
         prefill rows.
 
         Measured on the model's widest projection, so that the choice follows the CPU (this
-        project's Intel Xeon without AMX: the kernel ~1.7x as fast at 16 rows, float32 1.3-1.6x
+        project's Intel Xeon without AMX: the kernel ~1.8x as fast at 16 rows, float32 1.3-1.6x
         at prefill sizes; where oneDNN's bfloat16 GEMM is the faster, as with AMX, it stays).
         """
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
@@ -185,29 +183,6 @@ class EngineCore:
             + (" run in float32" if upcast else " stay in bfloat16")
         )
         logger.info("bfloat16 GEMMs on this CPU: %s", "; ".join(says))
-
-    def _choose_int4_gemm(self) -> None:
-        """Run int4 GEMMs of one or two rows in ``int4_gemm``'s kernel where it outruns torch's
-        on this CPU (measured on the model's widest projection at one row)."""
-        projection = self.model.layers[0].gate_up_proj
-        if self.device.type != "cpu" or not isinstance(projection, Int4Linear):
-            return
-        if not (int4_gemm.available() and int4.cpu_kernel_available()):
-            int4_gemm.set_max_rows(None)
-            logger.info("int4 GEMMs on this CPU: no C kernel (it needs AVX-512 and a C compiler)")
-            return
-        speedup = int4_gemm.probe(
-            projection.weight, projection.scales_and_zeros, projection.group_size
-        )
-        chosen = speedup >= int4_gemm.MIN_SPEEDUP
-        int4_gemm.set_max_rows(int4_gemm.MAX_ROWS if chosen else None)
-        logger.info(
-            "int4 GEMMs on this CPU: the C kernel runs 1 row %.2fx as fast as torch's, so GEMMs"
-            " of up to %d rows %s",
-            speedup,
-            int4_gemm.MAX_ROWS,
-            "run in it" if chosen else "stay in torch's",
-        )
 
     def _compile(self) -> None:
         compilation.check_can_compile(self.device)

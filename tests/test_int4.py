@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmpool.engine.models import int4, int4_gemm
+from llmpool.engine.models import int4
 from llmpool.engine.models.int4 import (
     INT4_GROUP_SIZE,
     Int4Linear,
@@ -90,60 +90,6 @@ def test_int4_reference_path_is_the_kernels_function(monkeypatch: pytest.MonkeyP
     reference = layer(x)
     torch.testing.assert_close(reference, x @ layer.dequantize().T)
     assert relative_error(kernel, reference) < 2**-7
-
-
-needs_c_kernel = pytest.mark.skipif(
-    not (int4_gemm.available() and int4.cpu_kernel_available()),
-    reason="the int4 C kernel needs AVX-512 and a C compiler (and torch's packed op to compare)",
-)
-
-
-@needs_c_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
-@pytest.mark.parametrize(("out_features", "in_features"), [*SHAPES, (64, 32), (128, 96)])
-def test_the_c_kernel_computes_torchs_function(
-    out_features: int, in_features: int, rows: int
-) -> None:
-    """Both row tiles (two rows, one), one block and several, one group and several."""
-    torch.manual_seed(rows)
-    layer = Int4Linear.from_float(torch.randn(out_features, in_features))
-    x = torch.randn(rows, in_features).bfloat16()
-    got = int4_gemm.int4_linear(x, layer.weight, layer.scales_and_zeros_bits, layer.group_size)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    assert relative_error(got, x.float() @ layer.dequantize().T) < 2**-8
-    torchs = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, layer.weight, layer.group_size, layer.scales_and_zeros
-    )
-    assert relative_error(got, torchs.float()) < 2**-8
-
-
-@needs_c_kernel
-def test_the_c_kernel_refuses_what_it_cannot_multiply() -> None:
-    layer = Int4Linear.from_float(torch.randn(64, 128))
-    bits = layer.scales_and_zeros_bits
-    with pytest.raises(ValueError, match="bfloat16"):
-        int4_gemm.int4_linear(torch.randn(1, 128), layer.weight, bits, INT4_GROUP_SIZE)
-    with pytest.raises(ValueError, match="rows against 64x128 codes"):
-        int4_gemm.int4_linear(torch.randn(1, 96).bfloat16(), layer.weight, bits, INT4_GROUP_SIZE)
-    assert int4_gemm.probe(layer.weight, layer.scales_and_zeros, INT4_GROUP_SIZE, repeats=3) > 0
-
-
-@needs_c_kernel
-def test_a_layer_runs_the_c_kernel_up_to_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(int4_gemm, "_max_rows", None)
-    torch.manual_seed(0)
-    layer = Int4Linear.from_float(torch.randn(192, 128), torch.randn(192))
-    int4_gemm.set_max_rows(2)
-    bits = layer.scales_and_zeros_bits
-    for rows in (1, 2):
-        x = torch.randn(rows, 128)
-        kernel = int4_gemm.int4_linear(x.bfloat16(), layer.weight, bits, INT4_GROUP_SIZE)
-        assert torch.equal(layer(x), kernel.float() + layer.bias)
-    x = torch.randn(3, 128)
-    torchs = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.bfloat16(), layer.weight, INT4_GROUP_SIZE, layer.scales_and_zeros
-    )
-    assert torch.equal(layer(x), torchs.float() + layer.bias)
 
 
 def test_int4_scales_keep_their_bits_through_a_dtype_cast() -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
-from llmpool.engine.models import bf16_gemm, int4, int4_gemm, linear
+from llmpool.engine.models import bf16_gemm, linear
 
 IN, OUT = 576, 320
 
@@ -169,21 +169,3 @@ def test_a_float32_engine_does_not_probe(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", pytest.fail)
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", pytest.fail)
     EngineCore(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory="16MiB"))
-
-
-@pytest.mark.skipif(
-    not (int4_gemm.available() and int4.cpu_kernel_available()), reason="no int4 C kernel here"
-)
-@pytest.mark.parametrize(("speedup", "expected"), [(2.0, int4_gemm.MAX_ROWS), (1.0, None)])
-def test_an_int4_engine_runs_the_c_kernel_as_its_probe_says(
-    monkeypatch: pytest.MonkeyPatch, speedup: float, expected: int | None
-) -> None:
-    monkeypatch.setattr(int4_gemm, "_max_rows", None)
-    monkeypatch.setattr(int4_gemm, "probe", lambda *args: speedup)
-    monkeypatch.setattr(linear, "probe_bfloat16_kernel", pytest.fail)  # its layers are int4
-    EngineCore(
-        EngineConfig(
-            dtype="bfloat16", quantization="int4", max_model_len=256, kv_cache_memory="16MiB"
-        )
-    )
-    assert int4_gemm.max_rows() == expected

@@ -20,8 +20,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmpool.engine.models import int4_gemm
-
 INT4_GROUP_SIZE = 32
 # The CPU kernel's layout: output channels in blocks of 64; per block and input column k, byte j
 # holds channel j in its low nibble and channel 32 + j in its high nibble.
@@ -102,9 +100,7 @@ def dequantize_int4(
 class Int4Linear(nn.Module):
     """``y = x @ dequantize(weight).T + bias`` with 4-bit codes and group-wise scales and zeros.
 
-    On CPU, one or two rows run ``int4_gemm``'s kernel where the engine's probe chose it (torch's
-    streams the weight at a third of the memory roof there); otherwise torch's fused kernel
-    runs, in bfloat16 whatever the activations' dtype: its float32
+    On CPU the fused kernel runs in bfloat16 whatever the activations' dtype: its float32
     variant is scalar code (on this project's CPU 34x slower than the dense float32 matmul at
     one row, 700x at 64), while the bfloat16 one reads the packed weight once and accumulates
     in float32. Elsewhere the weight is dequantized per call (the reference path).
@@ -147,15 +143,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and cpu_kernel_available():
             rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-            max_rows = int4_gemm.max_rows()
-            if max_rows is not None and rows.shape[0] <= max_rows:
-                out = int4_gemm.linear(
-                    rows, self.weight, self.scales_and_zeros_bits, self.group_size
-                )
-            else:
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    rows, self.weight, self.group_size, self.scales_and_zeros
-                )
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.weight, self.group_size, self.scales_and_zeros
+            )
             out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
         else:
             out = nn.functional.linear(x, self.dequantize().to(x.dtype))

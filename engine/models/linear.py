@@ -77,9 +77,7 @@ def bfloat16_kernel_max_rows() -> int | None:
     return _bfloat16_kernel_max_rows
 
 
-def measure_speedup(
-    native: Callable[[], object], candidate: Callable[[], object], repeats: int
-) -> float:
+def _speedup(native: Callable[[], object], candidate: Callable[[], object], repeats: int) -> float:
     """How many times faster ``candidate`` runs than ``native`` (median of interleaved runs, the
     first pair dropped as warm-up)."""
     ratios = []
@@ -101,7 +99,7 @@ def probe_bfloat16_upcast(
     float32 than in bfloat16 on this CPU, the conversions counted.
     """
     x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
-    return measure_speedup(
+    return _speedup(
         lambda: nn.functional.linear(x, weight), lambda: _upcast_linear(x, weight, None), repeats
     )
 
@@ -112,7 +110,7 @@ def probe_bfloat16_kernel(
     """How many times faster ``bf16_gemm`` multiplies ``rows`` rows by the bfloat16 ``weight``
     than torch does on this CPU."""
     x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
-    return measure_speedup(
+    return _speedup(
         lambda: nn.functional.linear(x, weight), lambda: bf16_gemm.bf16_linear(x, weight), repeats
     )
 
