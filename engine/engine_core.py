@@ -153,7 +153,7 @@ class EngineCore:
         prefill rows.
 
         Measured on the model's widest projection, so that the choice follows the CPU (this
-        project's Intel Xeon without AMX: the kernel ~1.8x as fast at 16 rows, float32 1.3-1.6x
+        project's Intel Xeon without AMX: the kernel ~1.7x as fast at 16 rows, float32 1.3-1.6x
         at prefill sizes; where oneDNN's bfloat16 GEMM is the faster, as with AMX, it stays).
         """
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:

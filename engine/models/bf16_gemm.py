@@ -46,9 +46,8 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     weight = weight.contiguous()
     out = x.new_empty(x.shape[0], weight.shape[0])
     if out.numel():
-        library.bf16_linear(
-            x.data_ptr(), weight.data_ptr(), out.data_ptr(), *x.shape[:1], *weight.shape
-        )
+        rows, (outputs, inputs) = x.shape[0], weight.shape
+        library.bf16_linear(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, outputs, inputs)
     return out
 
 
