@@ -80,10 +80,15 @@ def step_gemms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str,
     }
 
 
-def step_milliseconds(llm: LLM, concurrencies: list[int], rounds: int) -> list[dict[str, Any]]:
+def alternate_steps(
+    llm: LLM, concurrencies: list[int], rounds: int, choices: dict[str, Callable[[], None]]
+) -> list[dict[str, Any]]:
+    """Median step time of ``llm`` at each concurrency under each of ``choices`` (name ->
+    what switches to it), rounds of 4 steps alternating between them; the first choice is
+    left on."""
     core = llm.engine
     params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
-    choices = {"kernel": linear.BFLOAT16_KERNEL_MAX_ROWS, "torch": None}
+    first, second = choices
     rows = []
     for concurrency in concurrencies:
         rng = random.Random(concurrency)
@@ -97,8 +102,8 @@ def step_milliseconds(llm: LLM, concurrencies: list[int], rounds: int) -> list[d
             core.step()
         times: dict[str, list[float]] = {name: [] for name in choices}
         for _ in range(rounds):
-            for name, max_rows in choices.items():
-                linear.set_bfloat16_kernel(max_rows)
+            for name, switch in choices.items():
+                switch()
                 started = time.perf_counter()
                 for _ in range(4):
                     core.step()
@@ -109,11 +114,11 @@ def step_milliseconds(llm: LLM, concurrencies: list[int], rounds: int) -> list[d
             {
                 "concurrency": concurrency,
                 "step_ms": medians,
-                "torch_over_kernel": medians["torch"] / medians["kernel"],
+                f"{second}_over_{first}": medians[second] / medians[first],
             }
         )
         print(f"step c={concurrency}: {rows[-1]}", flush=True)
-    linear.set_bfloat16_kernel(choices["kernel"])
+    choices[first]()
     return rows
 
 
@@ -140,7 +145,15 @@ def main() -> None:
         "cpu": cpu_model(),
         "threads": torch.get_num_threads(),
         "step_gemms": gemms,
-        "step_bfloat16_eager": step_milliseconds(llm, args.concurrency, args.rounds),
+        "step_bfloat16_eager": alternate_steps(
+            llm,
+            args.concurrency,
+            args.rounds,
+            {
+                "kernel": lambda: linear.set_bfloat16_kernel(linear.BFLOAT16_KERNEL_MAX_ROWS),
+                "torch": lambda: linear.set_bfloat16_kernel(None),
+            },
+        ),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bf16_gemm.json").write_text(json.dumps(report, indent=2) + "\n")

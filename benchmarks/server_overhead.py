@@ -76,8 +76,9 @@ def summary(gaps_s: list[float]) -> dict[str, float]:
 class Offline:
     """The engine stepped alone in this process, as the offline ``LLM`` drives it."""
 
-    def __init__(self, dtype: str) -> None:
-        self.core = EngineCore(EngineConfig(dtype=dtype))
+    def __init__(self, dtype: str, quantization: str, compile_decoder: bool) -> None:
+        config = EngineConfig(dtype=dtype, quantization=quantization, compile=compile_decoder)
+        self.core = EngineCore(config)
         self.count = 0
 
     def run(self, prompt: list[int], max_tokens: int) -> tuple[list[float], str]:
@@ -137,14 +138,18 @@ def stream_once(
 
 
 def measure(
-    dtype: str, prompt: list[int], max_tokens: int, requests: int, log_dir: Path
+    dtype: str, args: argparse.Namespace, prompt: list[int], log_dir: Path
 ) -> dict[str, Any]:
     """One offline, one engine-thread and one served request per round, ``requests`` rounds."""
+    max_tokens, requests = args.max_tokens, args.requests
+    server_args = ["--dtype", dtype, "--quantization", args.quantization]
+    if args.compile:
+        server_args.append("--compile")
     process, url = start_server(
-        ["--dtype", dtype], log_dir / f"server-{dtype}.log", timeout=START_TIMEOUT_S
+        server_args, log_dir / f"server-{dtype}.log", timeout=START_TIMEOUT_S
     )
     try:
-        offline = Offline(dtype)
+        offline = Offline(dtype, args.quantization, args.compile)
         gaps: dict[str, list[float]] = {"offline": [], "engine_thread": [], "served": []}
         with httpx.Client(base_url=url, timeout=600) as client:
             for index in range(requests + 1):  # the first round warms up and is not counted
@@ -166,12 +171,17 @@ def measure(
         process.wait(120)
     itl = {name: summary(values) for name, values in gaps.items()}
     served = itl["served"]["p50"]
-    row: dict[str, Any] = {"dtype": dtype, "itl_ms": itl}
+    row: dict[str, Any] = {
+        "dtype": dtype,
+        "quantization": args.quantization,
+        "compile": args.compile,
+        "itl_ms": itl,
+    }
     for baseline in ("offline", "engine_thread"):
         row[f"overhead_p50_ms_vs_{baseline}"] = served - itl[baseline]["p50"]
         row[f"ratio_p50_vs_{baseline}"] = served / itl[baseline]["p50"]
     print(
-        f"{dtype}: ITL p50 (p95) offline {itl['offline']['p50']:.2f} ({itl['offline']['p95']:.2f}),"
+        f"{dtype} {args.quantization}{' compiled' if args.compile else ''}: ITL p50 (p95) offline {itl['offline']['p50']:.2f} ({itl['offline']['p95']:.2f}),"
         f" engine thread {itl['engine_thread']['p50']:.2f} ({itl['engine_thread']['p95']:.2f}),"
         f" served {served:.2f} ({itl['served']['p95']:.2f}) ms;"
         f" served - offline {row['overhead_p50_ms_vs_offline']:+.2f} ms/token"
@@ -189,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=4, help="measured requests per side")
+    parser.add_argument("--quantization", default="none", help="as `llmpool serve --quantization`")
+    parser.add_argument("--compile", action="store_true", help="as `llmpool serve --compile`")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -196,10 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     prompt = [rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(args.prompt_len)]
     with tempfile.TemporaryDirectory() as log_dir:
-        rows = [
-            measure(dtype, prompt, args.max_tokens, args.requests, Path(log_dir))
-            for dtype in args.dtypes
-        ]
+        rows = [measure(dtype, args, prompt, Path(log_dir)) for dtype in args.dtypes]
     result = {
         "command": shlex.join(["python", "benchmarks/server_overhead.py", *(argv or sys.argv[1:])]),
         "cpu": cpu_model(),

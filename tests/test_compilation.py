@@ -33,9 +33,11 @@ def test_compile_is_refused_off_cpu_and_without_a_compiler(monkeypatch: pytest.M
 
 @pytest.mark.slow
 def test_compiled_int8_in_float32_agrees_with_eager() -> None:
-    """int8 decodes run a bfloat16 kernel whose scales a compiled graph must read as a tensor
-    (lowering ``scale.to(bfloat16)`` inside it failed); bfloat16 rounding may flip near-ties,
-    so the bound is agreement, as for int8 against float32."""
+    """int8 decodes run a kernel whose scales a compiled graph must read as a tensor (lowering
+    ``scale.to(bfloat16)`` inside it failed): the VNNI kernel as the opaque op
+    ``llmpool::int8_linear``, or torch's bfloat16 one; the float32 around them is fused in a
+    different order and may flip near-ties, so the bound is agreement, as for int8 against
+    float32."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a poem about the sea." * 6]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     tokens = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmpool.engine.models import int4
+from llmpool.engine.models import int4, int8_gemm
 from llmpool.engine.models.int4 import (
     INT4_GROUP_SIZE,
     Int4Linear,
@@ -16,15 +16,21 @@ from llmpool.engine.models.int4 import (
 )
 from llmpool.engine.models.quantization import (
     INT8_KERNEL_MAX_ROWS,
+    INT8_VNNI_MAX_ROWS,
     Int8Linear,
+    int8_split_matmul,
     quantize_rows_int8,
 )
 
 # SmolLM2's layer shapes (out, in): qkv, o, gate_up, down.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 DTYPES = [torch.float32, torch.bfloat16]
-# Rows on each side of INT8_KERNEL_MAX_ROWS: decode (the fused kernel) and prefill (split int8).
-ROWS = [1, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, 64]
+# Rows on each side of INT8_KERNEL_MAX_ROWS and INT8_VNNI_MAX_ROWS: decode (a fused kernel) and
+# prefill (split int8).
+ROWS = [1, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, INT8_VNNI_MAX_ROWS + 1, 64]
+needs_vnni_kernel = pytest.mark.skipif(
+    not int8_gemm.available(), reason="the int8 GEMM kernel needs AVX-512 VNNI and a C compiler"
+)
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -114,10 +120,78 @@ def test_int8_layer_matches_its_dequantized_weight(
     dequantized = quantized.float() * layer.scale.float()[:, None]
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, out_features)
-    if rows <= INT8_KERNEL_MAX_ROWS:  # the fused kernel, in bfloat16
+    torchs_kernel = rows <= INT8_KERNEL_MAX_ROWS and not int8_gemm.enabled()
+    if torchs_kernel:  # torch's fused kernel, in bfloat16
         expected = x.bfloat16().float() @ dequantized.T
         assert relative_error(got, expected) < 2**-7
-    else:  # split int8 activations: 15 bits per row, then the output's dtype
+    else:  # split int8 activations (the VNNI kernel's too): 15 bits per row, then the output's dtype
         expected = x.float() @ dequantized.T
         output_rounding = 2**-7 if dtype == torch.bfloat16 else 1e-4
         assert relative_error(got, expected) < output_rounding
+
+
+def assert_split_matmuls_numbers(got: torch.Tensor, x: torch.Tensor, layer: Int8Linear) -> None:
+    """``got`` is ``int8_split_matmul``'s result up to the rounding of its last float32 steps."""
+    expected = int8_split_matmul(x, layer.weight, layer.scale)
+    tolerance = 1e-6 * float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=tolerance)
+
+
+@needs_vnni_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 40])
+@pytest.mark.parametrize(("out_features", "in_features"), [*SHAPES, (7, 100), (5, 64), (3, 1)])
+def test_the_vnni_kernel_computes_the_split_matmuls_numbers(
+    out_features: int, in_features: int, rows: int
+) -> None:
+    """Every tile remainder (4 outputs, 2 rows), K tails of 64 and a tail alone."""
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(torch.randn(out_features, in_features))
+    x = torch.randn(rows, in_features) * torch.logspace(-3, 2, rows)[:, None]
+    got = int8_gemm.int8_linear(x, layer.weight, layer.weight_sums, layer.scale)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    assert_split_matmuls_numbers(got, x, layer)
+
+
+@needs_vnni_kernel
+def test_the_vnni_kernel_takes_bfloat16_and_strided_rows_and_refuses_other_operands() -> None:
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(torch.randn(960, 576))
+    operands = (layer.weight, layer.weight_sums, layer.scale)
+    x = torch.randn(6, 576).bfloat16()
+    assert_split_matmuls_numbers(int8_gemm.int8_linear(x, *operands), x.float(), layer)
+    strided = torch.randn(6, 1152)[:, ::2]
+    assert torch.equal(
+        int8_gemm.int8_linear(strided, *operands),
+        int8_gemm.int8_linear(strided.contiguous(), *operands),
+    )
+    assert int8_gemm.int8_linear(x[:0], *operands).shape == (0, 960)
+    with pytest.raises(ValueError, match="int8 weights"):
+        int8_gemm.int8_linear(x, layer.weight.float(), *operands[1:])
+    with pytest.raises(ValueError, match="shapes"):
+        int8_gemm.int8_linear(x[:, :-1], *operands)
+
+
+@needs_vnni_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_layers_run_the_vnni_kernel_up_to_its_rows(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Up to INT8_VNNI_MAX_ROWS rows an int8 layer calls the kernel; above, the split matmul
+    (the same numbers, which is why the calls are counted)."""
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(torch.randn(576, 576)).to(dtype)
+    calls: list[int] = []
+    kernel = int8_gemm.int8_linear
+
+    def counted(x: torch.Tensor, *operands: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernel(x, *operands)
+
+    monkeypatch.setattr(int8_gemm, "int8_linear", counted)
+    for rows in (1, INT8_VNNI_MAX_ROWS, INT8_VNNI_MAX_ROWS + 1):
+        x = torch.randn(rows, 576).to(dtype)
+        got = layer(x)
+        assert got.dtype == dtype
+        expected = int8_split_matmul(x, layer.weight, layer.scale).to(dtype)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert calls == [1, INT8_VNNI_MAX_ROWS]
