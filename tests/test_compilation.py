@@ -32,23 +32,31 @@ def test_compile_is_refused_off_cpu_and_without_a_compiler(monkeypatch: pytest.M
 
 
 @pytest.mark.slow
-def test_compiled_int8_in_float32_agrees_with_eager() -> None:
-    """int8 decodes run a kernel whose scales a compiled graph must read as a tensor (lowering
-    ``scale.to(bfloat16)`` inside it failed): the VNNI kernel as the opaque op
-    ``llmpool::int8_linear``, or torch's bfloat16 one; the float32 around them is fused in a
-    different order and may flip near-ties, so the bound is agreement, as for int8 against
-    float32."""
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_compiled_quantized_float32_agrees_with_eager_in_one_graph(quantization: str) -> None:
+    """Quantized decodes run kernels whose scales a compiled graph must read as tensors
+    (lowering ``scale.to(bfloat16)`` inside it failed): the VNNI kernels as the opaque ops
+    ``llmpool::int8_linear`` / ``int4_linear``, or torch's bfloat16 ones. Whether the VNNI
+    kernels run is a flag settled before compiling: tracing its first check (which builds them)
+    broke the graph and left the decoder eager, which agreement alone cannot see. The float32
+    around the kernels is fused in a different order and may flip near-ties, so the bound is
+    agreement, as for int8 against float32."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a poem about the sea." * 6]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     tokens = {
         compiled: [
             output.outputs[0].token_ids
             for output in LLM(
-                dtype="float32", quantization="int8", compile=compiled, max_num_batched_tokens=8
+                dtype="float32",
+                quantization=quantization,
+                compile=compiled,
+                max_num_batched_tokens=8,
             ).generate(prompts, params)
         ]
         for compiled in (False, True)
     }
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks_before
     agree = sum(
         a == b
         for eager, compiled in zip(tokens[False], tokens[True], strict=True)

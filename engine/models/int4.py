@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmpool.engine.models import vnni_gemm
+
 INT4_GROUP_SIZE = 32
 # The CPU kernel's layout: output channels in blocks of 64; per block and input column k, byte j
 # holds channel j in its low nibble and channel 32 + j in its high nibble.
@@ -27,6 +29,10 @@ PACK_BLOCK_N = 64
 _HALF_BLOCK = PACK_BLOCK_N // 2
 INT4_MAX_CODE = 15
 INT4_MID_CODE = 8
+# Up to this many rows, int4 layers on CPUs with AVX-512 VNNI and VBMI run ``vnni_gemm``'s
+# kernel on the same bytes: against torch's kernel 1.1-2.0x at one row on SmolLM2's layers,
+# 1.0-1.5x at two, and 0.8-1.2x from four (python benchmarks/vnni_gemm.py).
+INT4_VNNI_MAX_ROWS = 2
 
 
 def cpu_kernel_available() -> bool:
@@ -100,10 +106,12 @@ def dequantize_int4(
 class Int4Linear(nn.Module):
     """``y = x @ dequantize(weight).T + bias`` with 4-bit codes and group-wise scales and zeros.
 
-    On CPU the fused kernel runs in bfloat16 whatever the activations' dtype: its float32
-    variant is scalar code (on this project's CPU 34x slower than the dense float32 matmul at
-    one row, 700x at 64), while the bfloat16 one reads the packed weight once and accumulates
-    in float32. Elsewhere the weight is dequantized per call (the reference path).
+    On CPU, decodes of up to ``INT4_VNNI_MAX_ROWS`` rows run ``vnni_gemm``'s kernel where it is
+    built (the rows split into two int8 parts, 15 bits); otherwise torch's fused kernel runs in
+    bfloat16 whatever the activations' dtype: its float32 variant is scalar code (on this
+    project's CPU 34x slower than the dense float32 matmul at one row, 700x at 64), while the
+    bfloat16 one reads the packed weight once and accumulates in float32. Elsewhere the weight
+    is dequantized per call (the reference path).
 
     The scales and zeros are held as the int16 bits of their bfloat16 values, so that
     ``module.to(dtype)`` leaves them alone (as the uint8 codes) and the kernel gets them as they
@@ -141,10 +149,18 @@ class Int4Linear(nn.Module):
         return dequantize_int4(self.weight, self.scales_and_zeros, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and cpu_kernel_available():
-            rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        rows = x.reshape(-1, x.shape[-1])
+        if (
+            x.device.type == "cpu"
+            and rows.shape[0] <= INT4_VNNI_MAX_ROWS
+            and self.group_size == vnni_gemm.INT4_GROUP
+            and vnni_gemm.enabled()
+        ):
+            out = vnni_gemm.int4_op(rows, self.weight, self.scales_and_zeros_bits)
+            out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
+        elif x.device.type == "cpu" and cpu_kernel_available():
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows, self.weight, self.group_size, self.scales_and_zeros
+                rows.to(torch.bfloat16), self.weight, self.group_size, self.scales_and_zeros
             )
             out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
         else:

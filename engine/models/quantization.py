@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from llmpool.engine.models import int8_gemm
+from llmpool.engine.models import vnni_gemm
 from llmpool.engine.models.int4 import Int4Linear
 
 if TYPE_CHECKING:  # llama imports the attention backends, which import this module
@@ -32,7 +32,7 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 # above, the integer matmul of split activations (Int8Linear.forward). They cross between 4 and
 # 16 rows on this project's CPU (one thread, SmolLM2's qkv: 82 vs 114 us at 4, 293 vs 172 at 16).
 INT8_KERNEL_MAX_ROWS = 8
-# Where the CPU has AVX-512 VNNI, up to this many rows run ``int8_gemm``'s kernel instead, which
+# Where the CPU has AVX-512 VNNI, up to this many rows run ``vnni_gemm``'s kernel instead, which
 # computes int8_split_matmul's numbers: against torch's kernel 2.4x at one row on SmolLM2's
 # int8 LM head and 1.2-2.0x on its layers; against the split matmul 1.1-1.4x at 16 rows, even
 # at 32 and slower from 64 (python benchmarks/quantized_linear.py).
@@ -69,9 +69,9 @@ class Int8Linear(nn.Module):
     """``y = (x @ q.T) * scale + bias``, with the weight stored as int8 and one scale per output.
 
     Buffers, not parameters: ``module.to(dtype)`` then casts the scales and bias but leaves the
-    int8 weight (and its int32 row sums, ``int8_gemm.weight_sums``) alone.
+    int8 weight (and its int32 row sums, ``vnni_gemm.weight_sums``) alone.
 
-    On CPU, in either activation dtype: decode batches run ``int8_gemm``'s VNNI kernel (up to
+    On CPU, in either activation dtype: decode batches run ``vnni_gemm``'s VNNI kernel (up to
     ``INT8_VNNI_MAX_ROWS`` rows) or, on CPUs without VNNI, ``torch._weight_int8pack_mm`` in
     bfloat16 (up to ``INT8_KERNEL_MAX_ROWS``), which streams the int8 weight once (its float32
     variant is scalar code: 12x slower than the dense matmul at one row, 345x at 64); larger
@@ -89,7 +89,7 @@ class Int8Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
-        self.register_buffer("weight_sums", int8_gemm.weight_sums(weight))
+        self.register_buffer("weight_sums", vnni_gemm.weight_sums(weight))
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
         self._refresh_kernel_scales()
@@ -117,8 +117,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
             rows = x.reshape(-1, x.shape[-1])
-            if int8_gemm.enabled() and rows.shape[0] <= INT8_VNNI_MAX_ROWS:
-                out = int8_gemm.linear(rows, self.weight, self.weight_sums, self.float_scale)
+            if vnni_gemm.enabled() and rows.shape[0] <= INT8_VNNI_MAX_ROWS:
+                out = vnni_gemm.int8_op(rows, self.weight, self.weight_sums, self.float_scale)
             elif rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
                 bf16 = torch.bfloat16
                 out = torch._weight_int8pack_mm(rows.to(bf16), self.weight, self.kernel_scale)
@@ -163,6 +163,7 @@ def quantize(model: LlamaForCausalLM, quantization: str) -> None:
     """
     if quantization == "none":
         return
+    vnni_gemm.enabled()  # settled (and built) now, not while a compiled forward traces it
     layer_quantizer = LAYER_QUANTIZERS[quantization]
     for layer in model.layers:
         for name, child in list(layer.named_children()):

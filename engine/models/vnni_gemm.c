@@ -1,0 +1,285 @@
+/* Weight-only GEMMs of few rows on AVX-512 VNNI: int8 weights (int8_linear) and int4 ones in
+ * torch's packed layout (int4_linear, which needs VBMI too).
+ *
+ * Decode steps multiply a few rows by every weight, and torch's weight-only kernels stream the
+ * weight well below the memory roof at one row: they widen every weight to a float. These
+ * kernels multiply bytes by bytes with vpdpbusd (64 multiply-adds an instruction), so reading
+ * the weight is nearly all they wait on.
+ *
+ * x is not rounded to int8: each row is split into two int8 parts exactly as
+ * quantization.int8_split_matmul splits it (step = amax / 127, s = x / step, high = rint(s),
+ * low = rint((s - high) * 254), x = step * (high + low / 254): 15 bits a row), both parts are
+ * multiplied by the weight, and the integer sums are exact.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define SPLIT 254.0f
+
+/* amax / 127 (at least the smallest normal float / 127), as int8_split_matmul computes it. */
+static float row_step(const float *x, int64_t K) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = fmaxf(amax, fabsf(x[k]));
+    return fmaxf(amax, FLT_MIN) / 127.0f;
+}
+
+/* value = step * (high + low / 254), each part an int8. */
+static inline void split(float value, float step, int *high, int *low) {
+    const float scaled = value / step;
+    const float rounded = nearbyintf(scaled);
+    *high = (int)rounded;
+    *low = (int)nearbyintf((scaled - rounded) * SPLIT);
+}
+
+/* --- int8: y[M, N] = (x[M, K] . W[N, K]^T) * scale[N] ---------------------------------------
+ *
+ * The result is int8_split_matmul's up to the rounding of the last float32 operations.
+ * vpdpbusd takes unsigned bytes on one side: the parts are stored plus 128 (1..255), and 128
+ * times each weight row's sum (``w_sums``, computed once per layer) is taken off. A work item is
+ * 4 consecutive weight rows against all of x, in tiles of 2 x rows: the 4 weight rows are read
+ * from memory once (the next item's rows prefetched meanwhile) and from L1 for the other tiles.
+ */
+#define ROWS 2  /* x rows per tile */
+#define COLS 4  /* weight rows (outputs) per tile */
+#define BIAS 128
+
+/* The 16 lanes of a, b, c and d each summed: {sum a, sum b, sum c, sum d}. */
+static inline __m128i sum4(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    const __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
+/* Weight row j's next 64 bytes, prefetching the same bytes of the row COLS rows on, which the
+ * next work item reads. */
+#define LOAD_WEIGHT(j)                                                                         \
+    _mm_prefetch((const char *)(w##j + COLS * K + k), _MM_HINT_T0);                            \
+    const __m512i w##j##v = _mm512_maskz_loadu_epi8(mask, w##j + k);
+#define ACCUMULATE(i)                                                                          \
+    {                                                                                          \
+        const __m512i high = _mm512_loadu_si512(x##i + k);                                     \
+        const __m512i low = _mm512_loadu_si512(x##i + padded_k + k);                           \
+        high##i##0 = _mm512_dpbusd_epi32(high##i##0, high, w0v);                               \
+        high##i##1 = _mm512_dpbusd_epi32(high##i##1, high, w1v);                               \
+        high##i##2 = _mm512_dpbusd_epi32(high##i##2, high, w2v);                               \
+        high##i##3 = _mm512_dpbusd_epi32(high##i##3, high, w3v);                               \
+        low##i##0 = _mm512_dpbusd_epi32(low##i##0, low, w0v);                                  \
+        low##i##1 = _mm512_dpbusd_epi32(low##i##1, low, w1v);                                  \
+        low##i##2 = _mm512_dpbusd_epi32(low##i##2, low, w2v);                                  \
+        low##i##3 = _mm512_dpbusd_epi32(low##i##3, low, w3v);                                  \
+    }
+#define ZERO(i)                                                                                \
+    __m512i high##i##0 = _mm512_setzero_si512(), high##i##1 = high##i##0, high##i##2 = high##i##0, \
+            high##i##3 = high##i##0, low##i##0 = high##i##0, low##i##1 = high##i##0,           \
+            low##i##2 = high##i##0, low##i##3 = high##i##0;
+/* (high + low / 254) * step * scale, from the biased sums: step / 254 * (254 high + low). */
+#define STORE(i)                                                                               \
+    if (i < rows) {                                                                            \
+        const __m128 high = _mm_cvtepi32_ps(_mm_sub_epi32(sum4(high##i##0, high##i##1, high##i##2, high##i##3), bias)); \
+        const __m128 low = _mm_cvtepi32_ps(_mm_sub_epi32(sum4(low##i##0, low##i##1, low##i##2, low##i##3), bias)); \
+        const __m128 sum = _mm_add_ps(low, _mm_mul_ps(high, _mm_set1_ps(SPLIT)));              \
+        const __m128 step = _mm_set1_ps(steps[row + i] / SPLIT);                               \
+        _mm_mask_storeu_ps(y + (row + i) * N + col, col_mask, _mm_mul_ps(_mm_mul_ps(sum, step), scale)); \
+    }
+/* The K loop: whole 64-byte chunks, then the tail under a load mask (zero weights beyond K). */
+#define OVER_K(...)                                                                            \
+    int64_t k = 0;                                                                             \
+    for (; k + 64 <= K; k += 64) {                                                             \
+        const __mmask64 mask = ~(__mmask64)0;                                                  \
+        __VA_ARGS__                                                                            \
+    }                                                                                          \
+    if (k < K) {                                                                               \
+        const __mmask64 mask = (__mmask64)((1ull << (K - k)) - 1);                             \
+        __VA_ARGS__                                                                            \
+    }
+/* Rows past the end of x or W alias the last real one: computed, never stored. */
+#define COMMON                                                                                 \
+    const int8_t *w0 = w + col * K, *w1 = w + (col + (cols > 1)) * K;                          \
+    const int8_t *w2 = w + (col + (cols > 2 ? 2 : 0)) * K, *w3 = w + (col + (cols > 3 ? 3 : 0)) * K; \
+    const __mmask8 col_mask = (__mmask8)((1u << cols) - 1);                                    \
+    const __m128i bias = _mm_mask_loadu_epi32(_mm_setzero_si128(), col_mask, w_sums + col);    \
+    const __m128 scale = _mm_mask_loadu_ps(_mm_setzero_ps(), col_mask, scales + col);
+
+/* Up to ROWS rows of x (split into biased high and low parts, padded_k bytes each) against up
+ * to COLS weight rows from col. */
+static void tile(const uint8_t *xs, const float *steps, const int8_t *w, const int32_t *w_sums,
+                 const float *scales, float *y, int64_t row, int64_t rows, int64_t col, int64_t cols,
+                 int64_t N, int64_t K, int64_t padded_k) {
+    COMMON
+    const uint8_t *x0 = xs + row * 2 * padded_k, *x1 = xs + (row + (rows > 1)) * 2 * padded_k;
+    ZERO(0) ZERO(1)
+    OVER_K(LOAD_WEIGHT(0) LOAD_WEIGHT(1) LOAD_WEIGHT(2) LOAD_WEIGHT(3) ACCUMULATE(0) ACCUMULATE(1))
+    STORE(0) STORE(1)
+}
+
+/* One row of x: a decode step of one sequence, bound by reading the weight. */
+static void tile_one_row(const uint8_t *xs, const float *steps, const int8_t *w, const int32_t *w_sums,
+                         const float *scales, float *y, int64_t row, int64_t col, int64_t cols,
+                         int64_t N, int64_t K, int64_t padded_k) {
+    COMMON
+    const int64_t rows = 1;
+    const uint8_t *x0 = xs + row * 2 * padded_k;
+    ZERO(0)
+    OVER_K(LOAD_WEIGHT(0) LOAD_WEIGHT(1) LOAD_WEIGHT(2) LOAD_WEIGHT(3) ACCUMULATE(0))
+    STORE(0)
+}
+
+/* A row of x split as int8_split_matmul splits it, biased by 128, into xs (high, then low,
+ * padded_k bytes each; the padding is never multiplied by a nonzero weight). */
+static void split_row_biased(const float *x, uint8_t *xs, float *step_out, int64_t K, int64_t padded_k) {
+    const float step = row_step(x, K);
+    for (int64_t k = 0; k < padded_k; ++k) {
+        int high = 0, low = 0;
+        if (k < K) split(x[k], step, &high, &low);
+        xs[k] = (uint8_t)(high + BIAS);
+        xs[padded_k + k] = (uint8_t)(low + BIAS);
+    }
+    *step_out = step;
+}
+
+/* x [M, K] float32, W [N, K] int8, w_sums [N] (128 * each row's sum), scales [N] float32,
+ * y [M, N] float32, all contiguous. */
+void int8_linear(const float *x, const int8_t *w, const int32_t *w_sums, const float *scales, float *y,
+                 int64_t M, int64_t N, int64_t K) {
+    const int64_t padded_k = (K + 63) / 64 * 64;
+    uint8_t *xs = aligned_alloc(64, (size_t)(M * 2 * padded_k));
+    float *steps = malloc((size_t)M * sizeof(float));
+    if (xs == NULL || steps == NULL) abort();
+    const int64_t items = (N + COLS - 1) / COLS;
+    /* Rows are split here, not in the parallel region: split by the team's other threads they
+     * made calls of a few rows 4-6x slower (measured, not understood). */
+    for (int64_t m = 0; m < M; ++m) split_row_biased(x + m * K, xs + m * 2 * padded_k, steps + m, K, padded_k);
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < items; ++item) {
+        const int64_t col = item * COLS, cols = N - col < COLS ? N - col : COLS;
+        if (M == 1) {
+            tile_one_row(xs, steps, w, w_sums, scales, y, 0, col, cols, N, K, padded_k);
+            continue;
+        }
+        for (int64_t row = 0; row < M; row += ROWS)
+            tile(xs, steps, w, w_sums, scales, y, row, M - row < ROWS ? M - row : ROWS, col, cols, N, K,
+                 padded_k);
+    }
+    free(steps);
+    free(xs);
+}
+
+/* --- int4: y[M, N] = x[M, K] . dequantize(W)[N, K]^T, torch's packed CPU layout -------------
+ *
+ * w = code * scale + (zero - 8 * scale) per group of 32 input columns (engine/models/int4.py);
+ * each group's integer sums are scaled in float32:
+ * y += step * (high + low / 254) * scale + (zero - 8 * scale) * (sum of x over the group).
+ *
+ * torch's layout keeps, per block of 64 outputs and input column k, 32 bytes: byte j holds output
+ * j in its low nibble and output 32 + j in its high one. vpdpbusd wants 4 consecutive columns of
+ * one output in each 32-bit lane, so the nibbles of 4 columns are split and interleaved by two
+ * vpermt2b (VBMI) per 16 outputs. A work item is one block of 64 outputs against every row of x;
+ * its codes are read from memory once and from L1/L2 for the other rows.
+ */
+#define BLOCK_N 64
+#define GROUP 32
+/* Codes are prefetched this many bytes ahead: over SmolLM2's layers at one row, 3.48 -> 3.00 ms
+ * (1 KB ahead: 3.16, 2 KB: 3.05). */
+#define INT4_PREFETCH 4096
+
+/* A row of x split into high and low parts (K bytes each), its step, and its sum over each
+ * group of GROUP columns. */
+static void split_row(const float *x, int8_t *parts, float *step_out, float *group_sums, int64_t K) {
+    const float step = row_step(x, K);
+    for (int64_t k = 0; k < K; ++k) {
+        int high, low;
+        split(x[k], step, &high, &low);
+        parts[k] = (int8_t)high;
+        parts[K + k] = (int8_t)low;
+    }
+    for (int64_t g = 0; g < K / GROUP; ++g) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < GROUP; ++k) sum += x[g * GROUP + k];
+        group_sums[g] = sum;
+    }
+    *step_out = step;
+}
+
+/* One block of 64 outputs (packed [K][32] bytes) against one split row of x. */
+static void block_row(const uint8_t *packed, const uint32_t *scales_and_zeros, const int8_t *parts,
+                      float step, const float *group_sums, float *y, int64_t N, int64_t K,
+                      __m512i pick_low, __m512i pick_high) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 unit = _mm512_set1_ps(step / SPLIT);
+    __m512 out[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t g = 0; g < K / GROUP; ++g) {
+        __m512i high[4], low[4];
+        for (int q = 0; q < 4; ++q) high[q] = low[q] = _mm512_setzero_si512();
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 4) {
+            /* columns k, k + 1 and k + 2, k + 3 */
+            _mm_prefetch((const char *)(packed + k * 32 + INT4_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(packed + k * 32 + INT4_PREFETCH + 64), _MM_HINT_T0);
+            const __m512i a = _mm512_loadu_si512(packed + k * 32), b = _mm512_loadu_si512(packed + (k + 2) * 32);
+            const __m512i a_low = _mm512_and_si512(a, nibble), b_low = _mm512_and_si512(b, nibble);
+            const __m512i a_high = _mm512_and_si512(_mm512_srli_epi16(a, 4), nibble);
+            const __m512i b_high = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+            /* outputs 0-15, 16-31 (low nibbles), 32-47, 48-63 (high): 4 columns of each per lane */
+            const __m512i codes[4] = {
+                _mm512_permutex2var_epi8(a_low, pick_low, b_low),
+                _mm512_permutex2var_epi8(a_low, pick_high, b_low),
+                _mm512_permutex2var_epi8(a_high, pick_low, b_high),
+                _mm512_permutex2var_epi8(a_high, pick_high, b_high),
+            };
+            const __m512i x_high = _mm512_set1_epi32(*(const int32_t *)(parts + k));
+            const __m512i x_low = _mm512_set1_epi32(*(const int32_t *)(parts + K + k));
+            for (int q = 0; q < 4; ++q) {
+                high[q] = _mm512_dpbusd_epi32(high[q], codes[q], x_high);
+                low[q] = _mm512_dpbusd_epi32(low[q], codes[q], x_low);
+            }
+        }
+        const __m512 sum = _mm512_set1_ps(group_sums[g]);
+        for (int q = 0; q < 4; ++q) {
+            /* (scale, zero) pairs of outputs 16q..16q+15 as bfloat16 bits: scale low, zero high */
+            const __m512i pairs = _mm512_loadu_si512(scales_and_zeros + g * N + 16 * q);
+            const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+            const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high[q]), _mm512_set1_ps(SPLIT), _mm512_cvtepi32_ps(low[q]));
+            const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
+            out[q] = _mm512_fmadd_ps(_mm512_mul_ps(dot, unit), scale, out[q]);
+            out[q] = _mm512_fmadd_ps(offset, sum, out[q]);
+        }
+    }
+    for (int q = 0; q < 4; ++q) _mm512_storeu_ps(y + 16 * q, out[q]);
+}
+
+/* x [M, K] float32; packed [N, K / 2] bytes in torch's layout; scales_and_zeros [K / 32, N, 2]
+ * bfloat16 bits; y [M, N] float32; all contiguous, N a multiple of 64 and K of 32. */
+void int4_linear(const float *x, const uint8_t *packed, const uint32_t *scales_and_zeros, float *y,
+                 int64_t M, int64_t N, int64_t K) {
+    int8_t *parts = malloc((size_t)(M * 2 * K));
+    float *steps = malloc((size_t)M * sizeof(float));
+    float *group_sums = malloc((size_t)(M * (K / GROUP)) * sizeof(float));
+    if (parts == NULL || steps == NULL || group_sums == NULL) abort();
+    /* byte 4c + t of an output lane: column t of output c (pick_low) or c + 16 (pick_high), from
+     * a (columns 0 and 1, at 32t + c) or b (columns 2 and 3, at 64 + 32(t - 2) + c) */
+    int8_t low_index[64], high_index[64];
+    for (int c = 0; c < 16; ++c)
+        for (int t = 0; t < 4; ++t) {
+            const int source = t < 2 ? 32 * t : 64 + 32 * (t - 2);
+            low_index[4 * c + t] = (int8_t)(source + c);
+            high_index[4 * c + t] = (int8_t)(source + 16 + c);
+        }
+    const __m512i pick_low = _mm512_loadu_si512(low_index), pick_high = _mm512_loadu_si512(high_index);
+    for (int64_t m = 0; m < M; ++m) /* outside the parallel region, as in int8_linear */
+        split_row(x + m * K, parts + m * 2 * K, steps + m, group_sums + m * (K / GROUP), K);
+#pragma omp parallel for schedule(static)
+    for (int64_t block = 0; block < N / BLOCK_N; ++block)
+        for (int64_t m = 0; m < M; ++m)
+            block_row(packed + block * BLOCK_N * (K / 2), scales_and_zeros + block * BLOCK_N,
+                      parts + m * 2 * K, steps[m], group_sums + m * (K / GROUP), y + m * N + block * BLOCK_N,
+                      N, K, pick_low, pick_high);
+    free(group_sums);
+    free(steps);
+    free(parts);
+}
