@@ -18,7 +18,7 @@ from llmpool.engine.config import EngineConfig
 from llmpool.engine.detokenizer import IncrementalDetokenizer
 from llmpool.engine.kv_cache_manager import KVCacheManager
 from llmpool.engine.model_runner import ModelRunner
-from llmpool.engine.models import bf16_gemm, linear
+from llmpool.engine.models import bf16_gemm, linear, vnni_gemm
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
 from llmpool.engine.models.loader import SUPPORTED_MODEL_TYPES, load_weights
 from llmpool.engine.models.quantization import (
@@ -99,6 +99,14 @@ class EngineCore:
         load_weights(model, folder)
         num_parameters = sum(p.numel() for p in model.parameters())
         quantize(model, config.quantization)  # from the float32 checkpoint weights, before the cast
+        if config.quantization != "none" and self.device.type == "cpu":
+            logger.info(
+                "%s decodes on this CPU: %s",
+                config.quantization,
+                "the VNNI kernels (vnni_gemm)"
+                if vnni_gemm.enabled()
+                else "torch's weight-only kernels (the VNNI ones need AVX-512 VNNI and VBMI and gcc)",
+            )
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.cos_sin_cache = self.model.cos_sin_cache.to(self.device)
         self.capacity_shape = model_shape_for_capacity(self.shape, num_parameters)
