@@ -132,6 +132,19 @@ def test_int8_layer_matches_its_dequantized_weight(
         assert relative_error(got, expected) < output_rounding
 
 
+def count_kernel_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """The rows of each call of ``vnni_gemm.<name>`` from now on (the kernel still runs)."""
+    calls: list[int] = []
+    kernel = getattr(vnni_gemm, name)
+
+    def counted(x: torch.Tensor, *operands: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernel(x, *operands)
+
+    monkeypatch.setattr(vnni_gemm, name, counted)
+    return calls
+
+
 def assert_split_matmuls_numbers(got: torch.Tensor, x: torch.Tensor, layer: Int8Linear) -> None:
     """``got`` is ``int8_split_matmul``'s result up to the rounding of its last float32 steps."""
     expected = int8_split_matmul(x, layer.weight, layer.scale)
@@ -184,14 +197,7 @@ def test_int8_layers_run_the_vnni_kernel_up_to_its_rows(
     (the same numbers, which is why the calls are counted)."""
     torch.manual_seed(0)
     layer = Int8Linear.from_float(torch.randn(576, 576)).to(dtype)
-    calls: list[int] = []
-    kernel = vnni_gemm.int8_linear
-
-    def counted(x: torch.Tensor, *operands: torch.Tensor) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return kernel(x, *operands)
-
-    monkeypatch.setattr(vnni_gemm, "int8_linear", counted)
+    calls = count_kernel_calls(monkeypatch, "int8_linear")
     for rows in (1, INT8_VNNI_MAX_ROWS, INT8_VNNI_MAX_ROWS + 1):
         x = torch.randn(rows, 576).to(dtype)
         got = layer(x)
@@ -252,14 +258,7 @@ def test_int4_layers_run_the_vnni_kernel_up_to_its_rows(
 ) -> None:
     torch.manual_seed(0)
     layer = Int4Linear.from_float(torch.randn(192, 128)).to(dtype)
-    calls: list[int] = []
-    kernel = vnni_gemm.int4_linear
-
-    def counted(x: torch.Tensor, *operands: torch.Tensor) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return kernel(x, *operands)
-
-    monkeypatch.setattr(vnni_gemm, "int4_linear", counted)
+    calls = count_kernel_calls(monkeypatch, "int4_linear")
     for rows in (1, INT4_VNNI_MAX_ROWS, INT4_VNNI_MAX_ROWS + 1):
         x = torch.randn(rows, 128).to(dtype)
         got = layer(x)
