@@ -32,10 +32,10 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 # above, the integer matmul of split activations (Int8Linear.forward). They cross between 4 and
 # 16 rows on this project's CPU (one thread, SmolLM2's qkv: 82 vs 114 us at 4, 293 vs 172 at 16).
 INT8_KERNEL_MAX_ROWS = 8
-# Where the CPU has AVX-512 VNNI, up to this many rows run ``vnni_gemm``'s kernel instead, which
-# computes int8_split_matmul's numbers: against torch's kernel 2.4x at one row on SmolLM2's
-# int8 LM head and 1.2-2.0x on its layers; against the split matmul 1.1-1.4x at 16 rows, even
-# at 32 and slower from 64 (python benchmarks/quantized_linear.py).
+# Where ``vnni_gemm``'s kernels are built (AVX-512 VNNI and VBMI), up to this many rows run its
+# int8 kernel instead, which computes int8_split_matmul's numbers: against torch's kernel 2.4x
+# at one row on SmolLM2's int8 LM head and 1.2-2.0x on its layers; against the split matmul
+# 1.1-1.4x at 16 rows, even at 32 and slower from 64 (python benchmarks/vnni_gemm.py).
 INT8_VNNI_MAX_ROWS = 16
 # Activations split into two int8 parts: x ≈ step * (high + low / INT8_SPLIT).
 INT8_SPLIT = 2 * INT8_MAX
@@ -71,8 +71,8 @@ class Int8Linear(nn.Module):
     Buffers, not parameters: ``module.to(dtype)`` then casts the scales and bias but leaves the
     int8 weight (and its int32 row sums, ``vnni_gemm.weight_sums``) alone.
 
-    On CPU, in either activation dtype: decode batches run ``vnni_gemm``'s VNNI kernel (up to
-    ``INT8_VNNI_MAX_ROWS`` rows) or, on CPUs without VNNI, ``torch._weight_int8pack_mm`` in
+    On CPU, in either activation dtype: decode batches run ``vnni_gemm``'s int8 kernel (up to
+    ``INT8_VNNI_MAX_ROWS`` rows) or, where it is not built, ``torch._weight_int8pack_mm`` in
     bfloat16 (up to ``INT8_KERNEL_MAX_ROWS``), which streams the int8 weight once (its float32
     variant is scalar code: 12x slower than the dense matmul at one row, 345x at 64); larger
     batches run :func:`int8_split_matmul`, whose numbers the VNNI kernel computes. Elsewhere
