@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -145,6 +147,18 @@ def count_kernel_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     return calls
 
 
+def assert_takes_strided_and_empty_rows(
+    kernel: Callable[..., torch.Tensor],
+    operands: tuple[torch.Tensor, ...],
+    inputs: int,
+    outputs: int,
+) -> None:
+    """Strided rows give what their contiguous copy gives; no rows give an empty result."""
+    strided = torch.randn(2, 2 * inputs)[:, ::2]
+    assert torch.equal(kernel(strided, *operands), kernel(strided.contiguous(), *operands))
+    assert kernel(strided[:0], *operands).shape == (0, outputs)
+
+
 def assert_split_matmuls_numbers(got: torch.Tensor, x: torch.Tensor, layer: Int8Linear) -> None:
     """``got`` is ``int8_split_matmul``'s result up to the rounding of its last float32 steps."""
     expected = int8_split_matmul(x, layer.weight, layer.scale)
@@ -174,12 +188,7 @@ def test_the_int8_kernel_takes_bfloat16_and_strided_rows_and_refuses_other_opera
     operands = (layer.weight, layer.weight_sums, layer.scale)
     x = torch.randn(6, 576).bfloat16()
     assert_split_matmuls_numbers(vnni_gemm.int8_linear(x, *operands), x.float(), layer)
-    strided = torch.randn(6, 1152)[:, ::2]
-    assert torch.equal(
-        vnni_gemm.int8_linear(strided, *operands),
-        vnni_gemm.int8_linear(strided.contiguous(), *operands),
-    )
-    assert vnni_gemm.int8_linear(x[:0], *operands).shape == (0, 960)
+    assert_takes_strided_and_empty_rows(vnni_gemm.int8_linear, operands, 576, 960)
     with pytest.raises(ValueError, match="int8 weights"):
         vnni_gemm.int8_linear(x, layer.weight.float(), *operands[1:])
     with pytest.raises(ValueError, match="rows of shape"):
@@ -237,12 +246,7 @@ def test_the_int4_kernel_takes_bfloat16_and_strided_rows_and_refuses_other_opera
     x = torch.randn(2, 128).bfloat16()
     expected = x.float() @ layer.dequantize().T
     assert relative_error(vnni_gemm.int4_linear(x, *operands), expected) < 2e-4
-    strided = torch.randn(2, 256)[:, ::2]
-    assert torch.equal(
-        vnni_gemm.int4_linear(strided, *operands),
-        vnni_gemm.int4_linear(strided.contiguous(), *operands),
-    )
-    assert vnni_gemm.int4_linear(x[:0], *operands).shape == (0, 192)
+    assert_takes_strided_and_empty_rows(vnni_gemm.int4_linear, operands, 128, 192)
     with pytest.raises(ValueError, match="uint8 codes"):
         vnni_gemm.int4_linear(x, layer.weight.to(torch.int8), layer.scales_and_zeros_bits)
     with pytest.raises(ValueError, match="rows of shape"):

@@ -150,19 +150,21 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if (
-            x.device.type == "cpu"
-            and rows.shape[0] <= INT4_VNNI_MAX_ROWS
-            and self.group_size == vnni_gemm.INT4_GROUP
-            and vnni_gemm.enabled()
-        ):
+        if x.device.type == "cpu" and self._runs_vnni(rows):
             out = vnni_gemm.int4_op(rows, self.weight, self.scales_and_zeros_bits)
-            out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
         elif x.device.type == "cpu" and cpu_kernel_available():
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows.to(torch.bfloat16), self.weight, self.group_size, self.scales_and_zeros
             )
-            out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
         else:
-            out = nn.functional.linear(x, self.dequantize().to(x.dtype))
+            out = nn.functional.linear(rows, self.dequantize().to(x.dtype))
+        out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+    def _runs_vnni(self, rows: torch.Tensor) -> bool:
+        """Whether ``vnni_gemm``'s kernel multiplies these rows (decodes, where it is built)."""
+        return (
+            rows.shape[0] <= INT4_VNNI_MAX_ROWS
+            and self.group_size == vnni_gemm.INT4_GROUP
+            and vnni_gemm.enabled()
+        )
