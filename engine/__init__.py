@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from llmpool.engine.llm import LLM
     from llmpool.engine.outputs import CompletionOutput, RequestOutput
     from llmpool.engine.sampling_params import SamplingParams
+    from llmpool.engine.structured_outputs import StructuredOutputsParams
 
 _EXPORTS = {
     "EngineConfig": "llmpool.engine.config",
@@ -21,9 +22,17 @@ _EXPORTS = {
     "CompletionOutput": "llmpool.engine.outputs",
     "RequestOutput": "llmpool.engine.outputs",
     "SamplingParams": "llmpool.engine.sampling_params",
+    "StructuredOutputsParams": "llmpool.engine.structured_outputs",
 }
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str) -> Any:

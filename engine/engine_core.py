@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from llmpool import capacity
 from llmpool.engine import compilation, model_source
-from llmpool.engine.admission import Limits, admit
+from llmpool.engine.admission import InvalidRequestError, Limits, admit
 from llmpool.engine.attention import check_kv_cache_dtype, select_backend
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.detokenizer import IncrementalDetokenizer
@@ -33,6 +33,7 @@ from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.request import Request, RequestStatus
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.scheduler import Scheduler
+from llmpool.engine.structured_outputs import GrammarError, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,16 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, self.kv_cache_manager, self.device)
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.shape.vocab_size, self.eos_token_ids
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_caches,
+            self.kv_cache_manager,
+            self.device,
+            self.structured_outputs,
+        )
         self._choose_bfloat16_gemm()
         if config.compile:
             self._compile()
@@ -294,6 +304,12 @@ class EngineCore:
         if priority is None:
             priority = PRIORITY_CLASSES[self.config.priority_class]
         sampling_params = admit(prompt_token_ids, sampling_params, priority, self.limits)
+        grammar = None
+        if sampling_params.structured_outputs is not None:
+            try:
+                grammar = self.structured_outputs.matcher(sampling_params.structured_outputs)
+            except GrammarError as error:
+                raise InvalidRequestError(str(error), param="structured_outputs") from None
         request = Request(
             request_id,
             prompt_token_ids,
@@ -302,6 +318,7 @@ class EngineCore:
             arrival_time,
             priority,
             cache_salt=cache_salt,
+            grammar=grammar,
         )
         self.scheduler.add_request(request)
         self.detokenizers[request_id] = IncrementalDetokenizer(
@@ -375,6 +392,10 @@ class EngineCore:
 
     def _delta(self, request: Request, logprobs: dict[int, float] | None) -> RequestDelta:
         token_id = request.all_token_ids[-1]
+        if request.grammar is not None:
+            request.grammar.accept(token_id)
+            if request.grammar.is_complete:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         detokenizer = self.detokenizers[request.request_id]
         stop_string = detokenizer.add_token(token_id)
         if stop_string is not None and not request.status.finished:

@@ -9,6 +9,7 @@ model's, and it stops the loop.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,7 @@ from llmpool.engine.models.llama import LlamaForCausalLM
 from llmpool.engine.request import Request
 from llmpool.engine.sampler import Sampler, SamplerOutput
 from llmpool.engine.scheduler import SchedulerOutput
+from llmpool.engine.structured_outputs import StructuredOutputManager
 
 
 @dataclass
@@ -32,6 +34,9 @@ class StepTimings:
     sample: float = 0.0
     process_outputs: float = 0.0  # scheduler bookkeeping, stop checks and detokenization
     steps: int = 0
+    grammar_mask: float = 0.0  # structured-output masks, computed beside the forward pass
+    grammar_wait: float = 0.0  # of that, the part the step waited for after its forward
+    grammar_steps: int = 0  # steps that had masks to compute
 
 
 @dataclass
@@ -57,6 +62,7 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         kv_cache_manager: KVCacheManager,
         device: torch.device,
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -65,6 +71,11 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.timings = StepTimings()
+        self.structured_outputs = structured_outputs
+        # One worker computes grammar masks while this thread runs the forward pass: llguidance
+        # and torch's ops both release the GIL. The worker runs no torch op, so it never starts
+        # a second OpenMP thread team (see async_engine.py for why that matters on CPU).
+        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     def prepare_inputs(self, scheduled: SchedulerOutput) -> ModelInputs:
         """Flatten the step: token ids, positions, slots and block tables, built with numpy."""
@@ -129,11 +140,13 @@ class ModelRunner:
         if inputs is None:
             self.timings.prepare_inputs += prepared - started
             return StepResult([], SamplerOutput(token_ids=[], logprobs=[]), failed)
+        masks = self._start_masks(inputs.sampling_requests)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).cpu()
         forwarded = time.perf_counter()
+        allowed = self._finish_masks(masks)
         sampling_requests, sampled = self._sample_isolating(
-            logits, inputs.sampling_requests, failed
+            logits, inputs.sampling_requests, allowed, failed
         )
         finished = time.perf_counter()
         self.timings.prepare_inputs += prepared - started
@@ -141,6 +154,29 @@ class ModelRunner:
         self.timings.sample += finished - forwarded
         self.timings.steps += 1
         return StepResult(sampling_requests, sampled, failed)
+
+    def _start_masks(self, requests: list[Request]) -> Future[tuple[np.ndarray, float]] | None:
+        """Start computing the grammar masks of the rows that sample, if any has a grammar."""
+        if self.structured_outputs is None or all(r.grammar is None for r in requests):
+            return None
+        manager = self.structured_outputs
+        grammars = [r.grammar for r in requests]
+
+        def compute() -> tuple[np.ndarray, float]:
+            started = time.perf_counter()
+            return manager.masks(grammars), time.perf_counter() - started
+
+        return self._mask_worker.submit(compute)
+
+    def _finish_masks(self, masks: Future[tuple[np.ndarray, float]] | None) -> torch.Tensor | None:
+        if masks is None:
+            return None
+        waited = time.perf_counter()
+        allowed, seconds = masks.result()
+        self.timings.grammar_wait += time.perf_counter() - waited
+        self.timings.grammar_mask += seconds
+        self.timings.grammar_steps += 1
+        return torch.from_numpy(allowed)
 
     def _prepare_isolating(
         self, scheduled: SchedulerOutput, failed: list[tuple[Request, Exception]]
@@ -162,13 +198,17 @@ class ModelRunner:
         return self.prepare_inputs(rest) if rest.requests else None
 
     def _sample_isolating(
-        self, logits: torch.Tensor, requests: list[Request], failed: list[tuple[Request, Exception]]
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        allowed: torch.Tensor | None,
+        failed: list[tuple[Request, Exception]],
     ) -> tuple[list[Request], SamplerOutput]:
         """Sample the batch; if that raises, sample row by row and fail the rows that raise."""
         if not requests:
             return [], SamplerOutput(token_ids=[], logprobs=[])
         try:
-            return requests, self.sampler(logits, requests)
+            return requests, self.sampler(logits, requests, allowed)
         except Exception:
             pass
         kept: list[Request] = []
@@ -176,7 +216,11 @@ class ModelRunner:
         logprobs: list[dict[int, float] | None] = []
         for row, request in enumerate(requests):
             try:
-                one = self.sampler(logits[row : row + 1], [request])
+                one = self.sampler(
+                    logits[row : row + 1],
+                    [request],
+                    None if allowed is None else allowed[row : row + 1],
+                )
             except Exception as error:
                 failed.append((request, error))
                 continue

@@ -9,6 +9,7 @@ import torch
 
 from llmpool.engine.block_hash import BlockHash
 from llmpool.engine.sampling_params import SamplingParams
+from llmpool.engine.structured_outputs import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +47,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -54,6 +56,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # Its structured-output grammar, advanced by every token the request generates.
+        self.grammar = grammar
         # Hashes of the full blocks of all_token_ids so far (prefix caching), filled lazily.
         self.block_hashes: list[BlockHash] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

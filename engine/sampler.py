@@ -22,9 +22,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """``logits`` is ``[len(requests), vocab]`` float32, one row per sampling request."""
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], allowed: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """``logits`` is ``[len(requests), vocab]`` float32, one row per sampling request;
+        ``allowed`` (same shape, bool) is False where a request's grammar forbids a token."""
         params = [r.sampling_params for r in requests]
+        if allowed is not None:
+            # First, so that no bias or penalty can revive a token the grammar forbids.
+            logits = logits.masked_fill(~allowed, float("-inf"))
         if any(p.logit_bias for p in params):
             logits = self._apply_logit_bias(logits, params)
         logits = self._apply_min_tokens(logits, requests)

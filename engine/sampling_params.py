@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from llmpool.engine.structured_outputs import StructuredOutputsParams
+
 # torch.Generator.manual_seed takes any value in [-2**63, 2**64); negative ones wrap around.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds; -100 bans a token, 100 all but forces it
@@ -38,6 +40,9 @@ class SamplingParams:
     )
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # The output must match this grammar: tokens it does not allow are masked at sampling, and
+    # the request stops when the grammar is complete.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

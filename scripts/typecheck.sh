@@ -16,4 +16,5 @@ mypy --ignore-missing-imports --follow-imports=silent \
   -m llmpool.engine.scheduler -m llmpool.engine.kv_cache_manager -m llmpool.engine.block_pool \
   -m llmpool.engine.request -m llmpool.engine.engine_core -m llmpool.engine.model_runner \
   -m llmpool.engine.attention.torch_backend -m llmpool.engine.attention.cpu_backend -m llmpool.engine.models.linear \
-  -m llmpool.engine.admission -m llmpool.engine.sampler -m llmpool.engine.sampling_params
+  -m llmpool.engine.admission -m llmpool.engine.sampler -m llmpool.engine.sampling_params \
+  -m llmpool.engine.structured_outputs

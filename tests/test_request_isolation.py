@@ -179,12 +179,12 @@ def test_generate_interrupted_by_ctrl_c_frees_its_requests(
     calls = 0
     sample = Sampler.__call__
 
-    def sample_then_interrupt(self, logits, requests):
+    def sample_then_interrupt(self, logits, requests, allowed=None):
         nonlocal calls
         calls += 1
         if calls == 3:
             raise KeyboardInterrupt
-        return sample(self, logits, requests)
+        return sample(self, logits, requests, allowed)
 
     monkeypatch.setattr(Sampler, "__call__", sample_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
