@@ -50,6 +50,9 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (vLLM counts tokens)
     prefix_cache_hits: int  # of those, tokens found cached
+    grammar_mask_seconds: float = 0.0  # structured-output masks, computed beside the forwards
+    grammar_wait_seconds: float = 0.0  # of that, what steps waited for after their forward
+    grammar_steps: int = 0  # steps that computed masks
 
 
 def model_shape_for_capacity(shape: LlamaShape, num_parameters: int) -> capacity.ModelShape:
@@ -426,6 +429,9 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+            grammar_mask_seconds=self.runner.timings.grammar_mask,
+            grammar_wait_seconds=self.runner.timings.grammar_wait,
+            grammar_steps=self.runner.timings.grammar_steps,
         )
 
 

@@ -1,7 +1,7 @@
 """Structured outputs: grammars compiled from a JSON schema, regex, choices or Lark text, and the
 per-request matchers that turn them into token masks at sampling (llguidance).
 
-llguidance was chosen over xgrammar, measured on SmolLM2's tokenizer (``benchmarks/grammars.py``):
+llguidance was chosen over xgrammar, measured on SmolLM2's tokenizer (``benchmarks/grammar_libraries.py``):
 it compiles a schema 4-10x faster (a request's tools are a new grammar per request, so compile
 time is per request, not amortized), it has no up-front automaton whose size a schema can blow
 up (its Earley parser and lexer run on fuel budgets, ``LIMITS``, so a compile and each mask step
@@ -165,42 +165,49 @@ class StructuredOutputManager:
         self.on_compile: Callable[[str, float, bool], None] | None = None
 
     def compile(self, params: StructuredOutputsParams, kind: str | None = None) -> None:
-        """Compile and cache ``params``'s grammar, or raise GrammarError saying why."""
-        self._pristine(params, kind or params.kind)
+        """Compile and cache ``params``'s grammar, or raise GrammarError saying why.
+
+        The server calls this once per request, off its event loop; ``kind`` names the request's
+        kind in metrics (``json_schema``, ``tool_call``, ...; default ``params.kind``).
+        """
+        started = time.perf_counter()
+        _, hit = self._pristine(params)
+        if self.on_compile is not None:
+            self.on_compile(kind or params.kind, time.perf_counter() - started, hit)
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for one request, from the cached grammar (compiled now if absent)."""
-        return GrammarMatcher(self._pristine(params, params.kind).deep_copy())
+        pristine, _ = self._pristine(params)
+        return GrammarMatcher(pristine.deep_copy())
 
-    def _pristine(self, params: StructuredOutputsParams, kind: str) -> llguidance.LLMatcher:
-        started = time.perf_counter()
+    def _pristine(self, params: StructuredOutputsParams) -> tuple[llguidance.LLMatcher, bool]:
+        """The cached matcher for ``params`` (compiled on a miss), and whether it was cached."""
         text = params.spec_text()
-        if len(text.encode("utf-8")) > MAX_SPEC_BYTES:
+        size = len(text.encode("utf-8"))
+        if size > MAX_SPEC_BYTES:
             raise GrammarError(
-                f"the {params.kind} spec has {len(text.encode('utf-8')):,} bytes; at most"
-                f" {MAX_SPEC_BYTES:,} are accepted"
+                f"the {params.kind} spec has {size:,} bytes; at most {MAX_SPEC_BYTES:,} are accepted"
             )
         key = f"{params.kind}\0{text}"
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
-        hit = cached is not None
-        if cached is None:
+                return cached, True
+        try:
             grammar = params.grammar_text()
-            matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=LIMITS)
-            if matcher.is_error():
-                raise GrammarError(
-                    f"the {params.kind} spec does not compile: {matcher.get_error()}"
-                )
-            with self._lock:
-                self._cache[key] = matcher
-                while len(self._cache) > GRAMMAR_CACHE_SIZE:
-                    self._cache.popitem(last=False)
-            cached = matcher
-        if self.on_compile is not None:
-            self.on_compile(kind, time.perf_counter() - started, hit)
-        return cached
+        except GrammarError:
+            raise
+        except ValueError as error:  # llguidance refusing a value, e.g. an integer over 64 bits
+            raise GrammarError(f"the {params.kind} spec cannot be compiled: {error}") from None
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=LIMITS)
+        if matcher.is_error():
+            raise GrammarError(f"the {params.kind} spec does not compile: {matcher.get_error()}")
+        with self._lock:
+            self._cache[key] = matcher
+            while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher, False
 
     def masks(self, matchers: Sequence[GrammarMatcher | None]) -> np.ndarray:
         """``[len(matchers), vocab_size]`` bool, True where a token is allowed; rows without a

@@ -28,6 +28,7 @@ from llmpool.engine.server.async_engine import (
     RequestFailedError,
     RequestStream,
 )
+from llmpool.engine.server.constraints import Constraint, OutputSpec, parse_output_spec
 from llmpool.engine.server.fingerprint import build_fingerprint
 from llmpool.engine.server.http import openai_endpoint, read_body
 from llmpool.engine.server.metrics import EngineMetrics
@@ -44,6 +45,8 @@ from llmpool.engine.server.protocol import (
 )
 from llmpool.engine.server.responses import SSE_DONE, Choice, ResponseBuilder, sse_event
 from llmpool.engine.server.stats_log import log_stats_forever
+from llmpool.engine.server.tool_calls import ToolCallShaper, detect_parser
+from llmpool.engine.structured_outputs import GrammarError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class ServerSettings:
     chat_template: bytes | None = None  # the --chat-template file; None: the model's own
     max_queue: int = 1000
     stats_interval: float = 10.0
+    tool_call_parser: str | None = None  # hermes, llama3_json or mistral; None: from the template
 
 
 class _SSEResponse(StreamingResponse):
@@ -111,9 +115,13 @@ class OpenAIServer:
         self.settings = settings
         self.model_name = settings.served_model_name
         self.metrics = EngineMetrics(self.model_name)
+        core.structured_outputs.on_compile = self.metrics.on_grammar_compiled
         self.engine = AsyncEngine(core, settings.max_queue, self.metrics)
         chat_template = settings.chat_template.decode("utf-8") if settings.chat_template else None
         self.prompts = PromptBuilder(core.tokenizer, chat_template)
+        self.tool_call_parser = settings.tool_call_parser or detect_parser(
+            self.prompts.chat_template
+        )
         self._fingerprint: asyncio.Task[dict[str, Any]] | None = None
         self._created = int(time.time())
 
@@ -173,23 +181,66 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_completion_request(parse_json_body(await read_body(request)))
+        body = parse_json_body(await read_body(request))
+        parsed = parse_completion_request(body)
+        output = parse_output_spec(body, chat=False)
         self._check_model(parsed.model)
+        structured_outputs = await self._compile(output.constraint)
         prompts = [self.prompts.completion_ids(p) for p in parsed.prompts]
-        return await self._generate(request, "completion", "cmpl", parsed, prompts, arrival)
+        return await self._generate(
+            request, "completion", "cmpl", parsed, prompts, arrival, structured_outputs
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_chat_request(parse_json_body(await read_body(request)))
+        body = parse_json_body(await read_body(request))
+        parsed = parse_chat_request(body)
+        output = parse_output_spec(body, chat=True)
         self._check_model(parsed.model)
-        prompt = self.prompts.chat_ids(parsed.messages, parsed.add_generation_prompt)
-        return await self._generate(request, "chat", "chatcmpl", parsed, [prompt], arrival)
+        structured_outputs = await self._compile(output.constraint)
+        offers_tools = output.tool_choice.mode != "none"
+        prompt = self.prompts.chat_ids(
+            parsed.messages,
+            parsed.add_generation_prompt,
+            output.functions if offers_tools else None,
+        )
+        return await self._generate(
+            request, "chat", "chatcmpl", parsed, [prompt], arrival, structured_outputs,
+            self._tool_call_shaper(output),
+        )  # fmt: skip
 
-    def _children(self, parsed: GenerationRequest, prompts: list[list[int]]) -> list[ChildRequest]:
+    async def _compile(self, constraint: Constraint | None) -> StructuredOutputsParams | None:
+        """Compile the request's grammar off the event loop (it may take milliseconds), so that
+        the engine thread only copies it; what does not compile is a 400 naming its field."""
+        if constraint is None:
+            return None
+        try:
+            await asyncio.to_thread(
+                self.core.structured_outputs.compile, constraint.params, constraint.kind
+            )
+        except GrammarError as error:
+            raise bad_request(str(error), param=constraint.param) from None
+        return constraint.params
+
+    def _tool_call_shaper(self, output: OutputSpec) -> ToolCallShaper | None:
+        """None when the answer cannot be calls: no tools offered, or the output is held to a
+        response_format or structured_outputs grammar (whose JSON might look like a call)."""
+        constrained = output.constraint is not None and output.constraint.kind != "tool_call"
+        if output.tool_choice.mode == "none" or constrained:
+            return None
+        return ToolCallShaper(output.tool_choice, self.tool_call_parser)
+
+    def _children(
+        self,
+        parsed: GenerationRequest,
+        prompts: list[list[int]],
+        structured_outputs: StructuredOutputsParams | None,
+    ) -> list[ChildRequest]:
         """``n`` children per prompt; with a seed, choice ``i`` uses ``seed + i`` as LLM does."""
         children = []
         for prompt in prompts:
-            params = parsed.sampling_params(self._max_tokens(parsed, len(prompt)))
+            max_tokens = self._max_tokens(parsed, len(prompt))
+            params = parsed.sampling_params(max_tokens, structured_outputs)
             for index in range(parsed.n):
                 child_params = params
                 if params.seed is not None and parsed.n > 1:
@@ -225,15 +276,17 @@ class OpenAIServer:
         parsed: CompletionRequest | ChatRequest,
         prompts: list[list[int]],
         arrival: float,
+        structured_outputs: StructuredOutputsParams | None,
+        tool_calls: ToolCallShaper | None = None,
     ) -> Response:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        children = self._children(parsed, prompts)
+        children = self._children(parsed, prompts, structured_outputs)
         try:
             stream = await self.engine.submit(request_id, children, arrival)
         except (PromptTooLongError, QueueFullError, EngineStoppedError, ValueError) as error:
             raise _engine_error(error) from None
         builder = ResponseBuilder(
-            kind, request_id, self.model_name, self.core.tokenizer, parsed.logprobs
+            kind, request_id, self.model_name, self.core.tokenizer, parsed.logprobs, tool_calls
         )
         prompt_tokens = sum(len(p) for p in prompts)
         if parsed.stream:

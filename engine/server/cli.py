@@ -19,6 +19,7 @@ from llmpool.engine.config import QUANTIZATIONS, EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.model_source import RevisionMismatchError
 from llmpool.engine.server.app import ServerSettings, build_app
+from llmpool.engine.server.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("llmpool.serve")
 
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(
         "--chat-template", "file with a Jinja chat template; default: the model's", default=None
     )
+    flags.add(
+        "--tool-call-parser",
+        "how tool calls are read from the model's text under tool_choice auto: hermes"
+        " (<tool_call>), llama3_json or mistral ([TOOL_CALLS]); default: from the chat template",
+        choices=list(TOOL_CALL_PARSERS), default=None,
+    )  # fmt: skip
     flags.add("--api-key", "require `Authorization: Bearer KEY` on /v1 routes", default=None)
     flags.add(
         "--max-queue", "waiting requests beyond which new ones get 429", type=int, default=1000
@@ -241,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         chat_template=chat_template,
         max_queue=args.max_queue,
         stats_interval=args.stats_interval,
+        tool_call_parser=args.tool_call_parser,
     )
     server = uvicorn.Server(
         uvicorn.Config(

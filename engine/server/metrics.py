@@ -101,6 +101,9 @@ REQUEST_LATENCY_BUCKETS = (
     7680.0,
 )
 
+# Compiles are cached per spec: hits take microseconds, a large schema tens of milliseconds.
+GRAMMAR_COMPILE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
 
 @dataclass
 class Totals:
@@ -110,6 +113,9 @@ class Totals:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    grammar_mask_seconds: float = 0.0
+    grammar_wait_seconds: float = 0.0
+    grammar_steps: int = 0
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -171,12 +177,37 @@ class EngineMetrics(StepObserver):
         self.request_success = counter(
             "request_success", "Finished requests by finish reason.", ("finished_reason",)
         )
+        self.structured_output_requests = counter(
+            "structured_output_requests",
+            "Requests with an output grammar, by kind (json_schema, json_object, regex, choice,"
+            " grammar, tool_call).",
+            ("kind",),
+        )
+        self.grammar_compile_time = Histogram(
+            "llmpool:grammar_compile_seconds",
+            "Compiling a request's output grammar (a cached grammar takes microseconds).",
+            [*labels, "kind"],
+            buckets=GRAMMAR_COMPILE_BUCKETS,
+            registry=registry,
+        )
+        self.grammar_mask_time = counter(
+            "grammar_mask_seconds",
+            "Computing structured-output token masks, beside the forward passes.",
+        )
+        self.grammar_wait_time = counter(
+            "grammar_wait_seconds",
+            "Of the mask time, what steps waited for after their forward pass.",
+        )
+        self.grammar_steps = counter(
+            "grammar_steps", "Steps that computed structured-output masks."
+        )
         # Every series exists from the start, so that rate() and absent() work on a fresh pod.
         for metric in (
             self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
             self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
             self.request_queue_time, self.num_preemptions, self.prompt_tokens,
             self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+            self.grammar_mask_time, self.grammar_wait_time, self.grammar_steps,
             *self._interop.values(),
         ):  # fmt: skip
             metric.labels(**self._model)
@@ -228,13 +259,21 @@ class EngineMetrics(StepObserver):
             totals = self.totals
             totals.num_running, totals.num_waiting = stats.num_running, stats.num_waiting
             totals.kv_cache_usage = stats.kv_cache_usage
-            self._update_prefix_cache(stats)
+            self._update_cumulative(stats)
 
-    def _update_prefix_cache(self, stats: EngineStats) -> None:
-        """The engine counts cumulatively; Prometheus counters take the increments."""
+    def on_grammar_compiled(self, kind: str, seconds: float, cache_hit: bool) -> None:
+        """Called by the engine's StructuredOutputManager, once per request with a grammar."""
+        self.structured_output_requests.labels(kind=kind, **self._model).inc()
+        self.grammar_compile_time.labels(kind=kind, **self._model).observe(seconds)
+
+    def _update_cumulative(self, stats: EngineStats) -> None:
+        """The engine counts these cumulatively; Prometheus counters take the increments."""
         for name, counter in (
             ("prefix_cache_queries", self.prefix_cache_queries),
             ("prefix_cache_hits", self.prefix_cache_hits),
+            ("grammar_mask_seconds", self.grammar_mask_time),
+            ("grammar_wait_seconds", self.grammar_wait_time),
+            ("grammar_steps", self.grammar_steps),
         ):
             total, previous = getattr(stats, name), getattr(self.totals, name)
             if total > previous:

@@ -9,15 +9,16 @@ from typing import Any
 
 from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.sampling_params import SamplingParams
+from llmpool.engine.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128  # choices per request; each one is a sequence in the engine
 MAX_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields this server does not implement: refused by name rather than silently ignored.
-# A value that asks for nothing (null, false, empty, response_format text) is accepted.
-UNSUPPORTED_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "response_format", "suffix", "echo",
-)  # fmt: skip
+# A value that asks for nothing (null, false, empty) is accepted.
+UNSUPPORTED_FIELDS = ("functions", "function_call", "suffix", "echo")
+COMPLETION_ONLY_UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls")  # chat-only fields
+LEGACY_FUNCTION_FIELDS = {"functions": "tools", "function_call": "tool_choice"}
 
 
 class APIError(Exception):
@@ -63,6 +64,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise bad_request("the request body is not valid UTF-8") from None
     except ValueError as error:
         raise bad_request(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise bad_request("the request body nests arrays and objects too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
@@ -146,10 +149,16 @@ class GenerationRequest:
     cache_salt: str | None = None  # keeps this request's prefix-cache blocks apart
     sampling: dict[str, Any] = field(default_factory=dict)
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, structured_outputs: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
         try:
             return SamplingParams(
-                n=self.n, max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling
+                n=self.n,
+                max_tokens=max_tokens,
+                logprobs=self.logprobs,
+                structured_outputs=structured_outputs,
+                **self.sampling,
             )
         except ValueError as error:
             message = str(error)
@@ -172,7 +181,7 @@ class ChatRequest(GenerationRequest):
 def _common(
     fields: _Fields, default_max_tokens: int | None, max_tokens_names: tuple[str, ...]
 ) -> dict[str, Any]:
-    n = fields.integer("n", 1)
+    n: int = fields.get("n", (int,), 1)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", param="n")
     max_tokens = None
@@ -225,14 +234,17 @@ def _common(
     }
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name in UNSUPPORTED_FIELDS:
-        value = body.get(name)
-        asks_nothing = value in (None, False, "", [], {}) or (
-            name == "response_format" and value == {"type": "text"}
-        )
-        if not asks_nothing:
-            raise bad_request(f"{name} is not supported by this server", param=name)
+def _refuse_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
+    for name in names:
+        if body.get(name) in (None, False, "", [], {}):
+            continue
+        if name in LEGACY_FUNCTION_FIELDS:
+            raise bad_request(
+                f"{name} is the deprecated form of {LEGACY_FUNCTION_FIELDS[name]}; send"
+                f" {LEGACY_FUNCTION_FIELDS[name]} instead",
+                param=name,
+            )
+        raise bad_request(f"{name} is not supported by this server", param=name)
 
 
 def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
@@ -273,7 +285,7 @@ def _logprobs_count(value: int | None, param: str) -> int | None:
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, UNSUPPORTED_FIELDS + COMPLETION_ONLY_UNSUPPORTED)
     fields = _Fields(body)
     return CompletionRequest(
         **_common(fields, 16, ("max_tokens",)),
@@ -313,7 +325,7 @@ def _parse_prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, UNSUPPORTED_FIELDS)
     fields = _Fields(body)
     wants_logprobs = fields.get("logprobs", (bool,), False)
     top_logprobs = _logprobs_count(fields.integer("top_logprobs", None), "top_logprobs")
@@ -342,9 +354,57 @@ def _parse_messages(messages: Any) -> list[dict[str, Any]]:
                 param=f"{param}.role",
             )
         parsed.append(
-            {**message, "content": _message_text(message.get("content"), f"{param}.content")}
+            {
+                **message,
+                "content": _message_text(message.get("content"), f"{param}.content"),
+                **_tool_fields(message, role, param),
+            }
         )
     return parsed
+
+
+def _tool_fields(message: dict[str, Any], role: str, param: str) -> dict[str, Any]:
+    """An assistant's ``tool_calls`` and a tool result's ``tool_call_id``, checked."""
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_request(
+                f"{param}.tool_call_id must be the id of the call this message answers",
+                param=f"{param}.tool_call_id",
+            )
+        return {"tool_call_id": _check_text(call_id, f"{param}.tool_call_id")}
+    calls = message.get("tool_calls")
+    if calls is None:
+        return {}
+    where = f"{param}.tool_calls"
+    if role != "assistant" or not isinstance(calls, list):
+        raise bad_request(f"{where} must be an array on an assistant message", param=where)
+    checked = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+            or not isinstance(call.get("id", ""), str)
+        ):
+            raise bad_request(
+                f'{where} items must be {{"id", "type": "function", "function": {{"name",'
+                ' "arguments": a JSON string}}',
+                param=where,
+            )
+        checked.append(
+            {
+                "id": _check_text(call.get("id", ""), where),
+                "type": "function",
+                "function": {
+                    "name": _check_text(function["name"], where),
+                    "arguments": _check_text(function["arguments"], where),
+                },
+            }
+        )
+    return {"tool_calls": checked}
 
 
 def _message_text(content: Any, param: str) -> str:

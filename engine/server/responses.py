@@ -3,7 +3,8 @@
 A stream event is the bytes of one server-sent event (``data: {json}\n\n``). Every chunk of a
 request shares its envelope (id, object, created, model), so that part is serialized once per
 request and each token only serializes its own choice: the event loop runs this once per token
-while holding the GIL the engine thread needs.
+while holding the GIL the engine thread needs. Requests with tools go through a
+``ToolCallShaper`` instead, which holds text that may be a call; the others never touch it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmpool.engine.outputs import RequestDelta
+from llmpool.engine.server.tool_calls import ToolCallShaper, ToolCallStream
 
 
 @dataclass
@@ -48,9 +50,17 @@ class ResponseBuilder:
     """Shapes choices and chunks for one request; ``kind`` is ``completion`` or ``chat``."""
 
     def __init__(
-        self, kind: str, request_id: str, model: str, tokenizer: Any, top_logprobs: int | None
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        tokenizer: Any,
+        top_logprobs: int | None,
+        tool_calls: ToolCallShaper | None = None,
     ) -> None:
         self.kind = kind
+        self.tool_calls = tool_calls  # chat requests whose output may be tool calls
+        self._tool_streams: dict[int, ToolCallStream] = {}
         self.id = request_id
         self.model = model
         self.created = int(time.time())
@@ -68,16 +78,21 @@ class ResponseBuilder:
     def response(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
         completion_tokens = sum(len(c.token_ids) for c in choices)
         if self.kind == "chat":
-            rendered = [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in choices
-            ]
+            rendered = []
+            for c in choices:
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                finish_reason = c.finish_reason
+                if self.tool_calls is not None:
+                    message, finish_reason = self.tool_calls.message(c.text, c.finish_reason)
+                rendered.append(
+                    {
+                        "index": c.index,
+                        "message": message,
+                        "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                        "finish_reason": finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
             body = self._envelope("chat.completion")
         else:
             rendered = [
@@ -107,6 +122,8 @@ class ResponseBuilder:
         )
 
     def delta_event(self, index: int, delta: RequestDelta) -> bytes:
+        if self.tool_calls is not None:
+            return self._tool_call_events(index, delta)
         choice: dict[str, Any] = {"index": index}
         if self.kind == "chat":
             choice["delta"] = {"content": delta.new_text} if delta.new_text else {}
@@ -116,6 +133,34 @@ class ResponseBuilder:
         choice["finish_reason"] = delta.finish_reason if delta.finished else None
         choice["stop_reason"] = delta.stop_reason if delta.finished else None
         return self._event(choice)
+
+    def _tool_call_events(self, index: int, delta: RequestDelta) -> bytes:
+        """The events for a delta of a choice with tools: its content and tool-call deltas as the
+        choice's stream releases them; logprobs ride on the first, the finish on its own last."""
+        assert self.tool_calls is not None
+        stream = self._tool_streams.get(index)
+        if stream is None:
+            stream = self._tool_streams[index] = self.tool_calls.stream()
+        messages = stream.feed(delta.new_text)
+        finish_reason = None
+        if delta.finished:
+            last, finish_reason = stream.finish(delta.finish_reason)
+            messages += last
+        logprobs = self._logprobs(delta.new_token_ids, delta.new_logprobs)
+        if logprobs is not None and not messages:
+            messages = [{}]
+        events = []
+        for message in messages:
+            choice = {"index": index, "delta": message, "logprobs": logprobs}
+            events.append(self._event({**choice, "finish_reason": None}))
+            logprobs = None
+        if delta.finished:
+            choice = {"index": index, "delta": {}, "logprobs": None}
+            stop_reason = delta.stop_reason
+            events.append(
+                self._event({**choice, "finish_reason": finish_reason, "stop_reason": stop_reason})
+            )
+        return b"".join(events)
 
     def usage_event(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return sse_event(

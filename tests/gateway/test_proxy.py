@@ -1,4 +1,5 @@
-"""Relaying a replica that dies: before its response head (retried) and mid-stream (error event).
+"""Relaying a replica that dies: before its response head (retried) and mid-stream (error event);
+and bodies the gateway does not interpret (tools, structured outputs) reaching it byte for byte.
 
 The replicas are fakes on raw sockets, so each test decides exactly when the connection breaks:
 a clean close (FIN) in the middle of a chunked body, or a reset (RST).
@@ -35,6 +36,7 @@ class FakeReplica:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.posts = 0
+        self.bodies: list[bytes] = []  # each POST's body, as received
         self.break_now = threading.Event()  # set by the test once the first event reached it
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -61,6 +63,7 @@ class FakeReplica:
                 return
             self.posts += 1
             if self.behaviour == "answer":
+                self.bodies.append(_read_body(conn, head))
                 conn.sendall(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                     + f"Content-Length: {len(ANSWER)}\r\nConnection: close\r\n\r\n".encode()
@@ -82,6 +85,18 @@ class FakeReplica:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _read_body(conn: socket.socket, received: bytes) -> bytes:
+    head, body = received.split(b"\r\n\r\n", 1)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += conn.recv(65536)
+    return body
 
 
 @pytest.fixture
@@ -152,3 +167,56 @@ def test_a_replica_that_drops_the_request_before_its_head_is_retried(
         metrics[f'llmpool_gateway:upstream_errors_total{{kind="disconnected",{labels}}}']
         == dying.posts
     )
+
+
+def test_tools_and_structured_outputs_reach_the_replica_unchanged(
+    make_slice, fake_replicas, start_gateway
+) -> None:
+    """The gateway reads only model, priority and the prompt's text; the rest is the engine's."""
+    replica = fake_replicas("answer")
+    gateway = start_gateway(table(make_slice, {"replica": replica}), QUIET)
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    bodies = [
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": -3}'},
+            ],
+            "tools": [weather],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": False,
+        },
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "A city as JSON"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "city", "schema": {"type": "object"}, "strict": True},
+            },
+        },
+        {"model": MODEL, "prompt": "Yes or no:", "structured_outputs": {"choice": ["yes", "no"]}},
+    ]
+    for body in bodies:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        raw = json.dumps(body, indent=1).encode()  # not the gateway's own spacing: sent as is
+        response = httpx.post(
+            f"{gateway.url}{path}",
+            content=raw,
+            headers={"Content-Type": "application/json"},
+            timeout=10,
+        )
+        assert response.status_code == 200 and response.content == ANSWER
+        assert replica.bodies[-1] == raw

@@ -89,11 +89,12 @@ BAD_BODIES = {
     "logit_bias id beyond vocabulary": ("/v1/completions", {**COMPLETION, "logit_bias": {"999999": 5}}, "logit_bias"),
     "logit_bias key not an id": ("/v1/completions", {**COMPLETION, "logit_bias": {"hello": 5}}, "logit_bias"),
     "logit_bias value too large": ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 101}}, "logit_bias"),
-    # Fields this server does not implement are refused by name, never silently ignored.
-    "tools": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    "tool_choice": ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
+    # Fields this server does not implement are refused by name, never silently ignored
+    # (tools and structured outputs have their own cases in test_structured_outputs.py).
+    "tools on completions": ("/v1/completions", {**COMPLETION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    "tool_choice without tools": ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
     "functions": ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
-    "response_format json": ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    "response_format unknown": ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
     "suffix": ("/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix"),
     "echo": ("/v1/completions", {**COMPLETION, "echo": True}, "echo"),
 }  # fmt: skip

@@ -68,7 +68,20 @@ VALID_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
-    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    "tool_choice": st.sampled_from(
+        ["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]
+    ),
+    "parallel_tool_calls": st.booleans(),
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}},
+        ]
+    ),
+    "structured_outputs": st.sampled_from(
+        [{"choice": ["yes", "no"]}, {"regex": "[0-9]{1,3}"}, {"json_object": True}]
+    ),
     "echo": st.booleans(),
 }
 
@@ -85,7 +98,7 @@ MESSAGES = (
     st.lists(
         st.fixed_dictionaries(
             {
-                "role": st.sampled_from(["system", "user", "assistant"]) | JSON_SCALARS,
+                "role": st.sampled_from(["system", "user", "assistant", "tool"]) | JSON_SCALARS,
                 "content": TEXT
                 | st.lists(
                     st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2

@@ -30,12 +30,14 @@ def test_every_flag_can_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("LLMPOOL_GPU_MEMORY_UTILIZATION", "0.5")
     monkeypatch.setenv("LLMPOOL_ENABLE_PREFIX_CACHING", "false")
     monkeypatch.setenv("LLMPOOL_API_KEY", "secret")
+    monkeypatch.setenv("LLMPOOL_TOOL_CALL_PARSER", "mistral")
     args = build_parser().parse_args([])
     assert args.model == "/models/x"
     assert args.max_model_len == 1024
     assert args.gpu_memory_utilization == 0.5
     assert args.enable_prefix_caching is False
     assert args.api_key == "secret"
+    assert args.tool_call_parser == "mistral"
     # A flag on the command line wins over the environment.
     assert build_parser().parse_args(["--max-model-len", "2048"]).max_model_len == 2048
 
@@ -120,7 +122,12 @@ def test_chat_template_file_is_used_and_pinned(
 
 @pytest.mark.parametrize(
     "flags",
-    [["--quantization", "fp8"], ["--kv-cache-dtype", "int4"], ["--max-request-priority", "vip"]],
+    [
+        ["--quantization", "fp8"],
+        ["--kv-cache-dtype", "int4"],
+        ["--max-request-priority", "vip"],
+        ["--tool-call-parser", "pythonic"],
+    ],
 )
 def test_options_the_engine_cannot_run_are_refused_by_the_parser(
     flags: list[str], capsys: pytest.CaptureFixture[str]
