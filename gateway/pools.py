@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmpool.operator import conditions, naming
@@ -33,6 +33,8 @@ class Pool:
     pinned_digest: str | None
     drifted: frozenset[str]  # pods listed in status.drift
     scales_from_zero: bool = False  # autoscaling.minReplicas 0: a held request brings a replica
+    # status.outgoing: pods of an older template during a rollout -> the digest that template pins
+    outgoing: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> PoolKey:
@@ -58,6 +60,11 @@ def pool_from_object(obj: Mapping[str, Any]) -> Pool:
         scales_from_zero=spec.autoscaling is not None and spec.autoscaling.min_replicas == 0,
         pinned_digest=status.get("pinnedDigest"),
         drifted=frozenset(entry["pod"] for entry in status.get("drift") or [] if "pod" in entry),
+        outgoing={
+            entry["pod"]: entry["pinnedDigest"]
+            for entry in status.get("outgoing") or []
+            if "pod" in entry and "pinnedDigest" in entry
+        },
     )
 
 

@@ -32,9 +32,11 @@ def test_a_pool_from_the_interactive_example() -> None:
         "smollm2-interactive.yaml",
         pinnedDigest=DIGEST,
         drift=[{"pod": "smollm2-chat-x", "field": "chatTemplateSha256"}],
+        outgoing=[{"pod": "smollm2-chat-old", "pinnedDigest": "sha256:old"}],
         **READY,
     )
     pool = pool_from_object(obj)
+    assert pool.outgoing == {"smollm2-chat-old": "sha256:old"}
     assert (pool.namespace, pool.name, pool.served_name) == ("team-a", "smollm2-chat", "smollm2")
     assert (pool.priority_class, pool.ready, pool.pinned_digest) == ("interactive", True, DIGEST)
     assert pool.drifted == {"smollm2-chat-x"}
@@ -44,6 +46,7 @@ def test_a_new_pool_without_status_is_not_ready_and_has_no_pin_yet() -> None:
     pool = pool_from_object(example_pool("smollm2-batch.yaml"))
     assert (pool.priority_class, pool.ready, pool.pinned_digest) == ("batch", False, None)
     assert pool.drifted == frozenset()
+    assert pool.outgoing == {}
 
 
 def test_replicas_are_the_ready_endpoints_of_the_pools_service(make_slice) -> None:
