@@ -15,6 +15,11 @@ from llmpool.operator.spec import PoolSpec
 
 ENGINE_USER_ID = 10001
 PINNED_JSON_KEY = "pinned.json"
+# A stopped pod keeps serving this long before SIGTERM, while its endpoint's removal reaches
+# kube-proxy and the gateways (the kubelet's own sleep: the image needs no shell).
+PRESTOP_SLEEP_SECONDS = 5
+# After the drain (--shutdown-timeout): the last responses written, the engine thread joined.
+EXIT_MARGIN_SECONDS = 15
 
 
 def render_configmap(pool: str, pinned: dict[str, Any], chat_template: str | None) -> dict:
@@ -109,6 +114,7 @@ def _engine_container(spec: PoolSpec, image: str) -> dict:
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
         },
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         # The engine writes "RevisionMismatch: ..." here before exiting with code 3.
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -119,6 +125,12 @@ def _engine_container(spec: PoolSpec, image: str) -> dict:
     if spec.resources:
         container["resources"] = dict(spec.resources)
     return container
+
+
+def termination_grace_seconds(spec: PoolSpec) -> int:
+    """Longer than the preStop sleep and the engine's drain together, so that SIGKILL never
+    comes before the engine has finished or ended its requests."""
+    return PRESTOP_SLEEP_SECONDS + spec.drain_seconds + EXIT_MARGIN_SECONDS
 
 
 def render_deployment(
@@ -159,7 +171,7 @@ def render_deployment(
             "fsGroup": ENGINE_USER_ID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "containers": [container],
         "volumes": volumes,
     }

@@ -104,6 +104,16 @@ def test_deployment_shape(chat_spec, chat_template):
     assert container["resources"] == chat_spec["resources"]
 
 
+def test_the_grace_period_outlasts_the_prestop_sleep_and_the_drain(chat_spec, chat_template):
+    for drain, spec in [(120, chat_spec), (600, {**chat_spec, "rollout": {"drainSeconds": 600}})]:
+        deployment = render(spec, chat_template)
+        container = engine_container(deployment)
+        assert flag(container["args"], "--shutdown-timeout") == str(drain)
+        sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert sleep >= 5 and grace >= sleep + drain + 10
+
+
 def test_security_context(chat_spec, chat_template):
     deployment = render(chat_spec, chat_template)
     pod = deployment["spec"]["template"]["spec"]
