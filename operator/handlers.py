@@ -100,6 +100,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.label_selectors["apps", "v1", "deployments"] = naming.POOL_LABEL
     settings.watching.label_selectors["v1", "services"] = naming.POOL_LABEL
     settings.watching.label_selectors["v1", "configmaps"] = naming.POOL_LABEL
+    settings.watching.label_selectors["policy", "v1", "poddisruptionbudgets"] = naming.POOL_LABEL
     kube.load_credentials()
     if memo.get("peering_to_create"):
         await kube.ensure_peering(memo["peering_to_create"], list(memo.get("namespaces") or []))
@@ -142,6 +143,13 @@ def child_configmaps(
     return {(namespace, labels[naming.POOL_LABEL]): children.child_view(body)}
 
 
+@kopf.index("policy", "v1", "poddisruptionbudgets", labels=CHILD_WATCH_LABELS)
+def child_disruption_budgets(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str | None, str], children.ChildView]:
+    return {(namespace, labels[naming.POOL_LABEL]): children.child_view(body)}
+
+
 @dataclass(frozen=True)
 class Observed:
     """What the indexes hold for one pool: its pods, its Deployment, and its live children."""
@@ -153,7 +161,12 @@ class Observed:
 
 def observed_from_indexes(key: tuple[str, str], **indexes: Any) -> Observed:
     live: dict[str, children.ChildView] = {}
-    for index in ("child_configmaps", "child_services", "child_deployments"):
+    for index in (
+        "child_configmaps",
+        "child_services",
+        "child_disruption_budgets",
+        "child_deployments",
+    ):
         for view in indexes[index].get(key, []):
             live[f"{view.kind}/{view.name}"] = view
     return Observed(
@@ -278,6 +291,7 @@ async def _apply_children(
     rendered = [
         render.render_configmap(name, pinned, chat_template),
         render.render_service(name),
+        render.render_disruption_budget(name, pool),
         render.render_deployment(name, pool, digest, _policy(memo).engine_image, replicas),
     ]
     kopf.adopt(rendered, owner=body)

@@ -33,9 +33,11 @@ def load_credentials() -> None:
 def _appliers() -> dict[str, Callable[..., Any]]:
     core = kubernetes.client.CoreV1Api()
     apps = kubernetes.client.AppsV1Api()
+    policy = kubernetes.client.PolicyV1Api()
     return {
         "ConfigMap": core.patch_namespaced_config_map,
         "Service": core.patch_namespaced_service,
+        "PodDisruptionBudget": policy.patch_namespaced_pod_disruption_budget,
         "Deployment": apps.patch_namespaced_deployment,
     }
 

@@ -61,6 +61,12 @@ NAMESPACED_RULES = (
         "read the user's chat template; server-side apply of the pool's copy; watch it to restore it",
     ),
     Rule(
+        ("policy",),
+        ("poddisruptionbudgets",),
+        ("list", "watch", "create", "patch"),
+        "server-side apply of the pool's PodDisruptionBudget; watch it to restore it",
+    ),
+    Rule(
         ("",),
         ("pods",),
         ("list", "watch", "delete"),

@@ -1,4 +1,5 @@
-"""The objects a pool owns (ConfigMap, Deployment, Service), rendered as pure functions of its spec.
+"""The objects a pool owns (ConfigMap, Service, PodDisruptionBudget, Deployment), rendered as pure
+functions of its spec.
 
 Owner references and the namespace are added by the handler (``kopf.adopt``); everything else
 that reaches the API server is decided here.
@@ -56,6 +57,25 @@ def render_service(pool: str) -> dict:
                     "protocol": "TCP",
                 }
             ],
+        },
+    }
+
+
+def render_disruption_budget(pool: str, spec: PoolSpec) -> dict:
+    """At most ``rollout.maxUnavailable`` of the pool's pods evicted at once (a node drain, the
+    Eviction API): the same bound as a rollout's. A pod that is not Ready may always be evicted,
+    so a crash-looping replica never blocks a drain."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": naming.disruption_budget_name(pool),
+            "labels": naming.object_labels(pool),
+        },
+        "spec": {
+            "maxUnavailable": spec.max_unavailable,
+            "selector": {"matchLabels": naming.selector_labels(pool)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 

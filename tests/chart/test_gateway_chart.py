@@ -83,6 +83,16 @@ def test_the_deployment_runs_llmpool_gateway_safely() -> None:
     assert pod["serviceAccountName"] == account["metadata"]["name"] == GATEWAY
 
 
+def test_two_replicas_by_default_and_evictions_take_one_at_a_time() -> None:
+    objects = gateway_objects()
+    (deployment,) = objects["Deployment"]
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    (budget,) = objects["PodDisruptionBudget"]
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"] == deployment["spec"]["selector"]
+
+
 def test_replicas_and_resources_follow_the_values() -> None:
     resources = {"requests": {"cpu": "1", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
     (deployment,) = gateway_objects(

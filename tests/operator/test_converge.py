@@ -169,7 +169,13 @@ async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkey
     monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
     memo = kopf.Memo()
     await converge(api, memo)
-    assert {kind for kind, _ in api.writes} == {"ConfigMap", "Service", "Deployment", "status"}
+    assert {kind for kind, _ in api.writes} == {
+        "ConfigMap",
+        "Service",
+        "PodDisruptionBudget",
+        "Deployment",
+        "status",
+    }
     reasons(events)
 
     quiet = len(api.writes)
@@ -179,6 +185,7 @@ async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkey
 
     live = api.children()
     del live["Service/smollm2-chat"]
+    del live["PodDisruptionBudget/smollm2-chat"]
     edited = copy.deepcopy(dict(live["Deployment/smollm2-chat"].body))
     edited["spec"]["template"]["spec"]["containers"][0]["args"][0] = "builtin://other"
     # Fields the API server or someone else adds do not count as a difference.
@@ -192,8 +199,16 @@ async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkey
         memo=memo,
         observed=handlers.Observed(pods=[], deployment=None, children=live),
     )
-    assert [kind for kind, _ in api.writes[quiet:]] == ["Service", "Deployment"]
-    assert sorted(reasons(events)) == ["DeploymentRestored", "ServiceRestored"]
+    assert [kind for kind, _ in api.writes[quiet:]] == [
+        "Service",
+        "PodDisruptionBudget",
+        "Deployment",
+    ]
+    assert sorted(reasons(events)) == [
+        "DeploymentRestored",
+        "PodDisruptionBudgetRestored",
+        "ServiceRestored",
+    ]
 
 
 async def test_a_rejected_child_leaves_a_condition_naming_the_problem(api):

@@ -46,6 +46,7 @@ def test_handlers_register_with_kopf():
         "child_deployments",
         "child_services",
         "child_configmaps",
+        "child_disruption_budgets",
     }
 
 
