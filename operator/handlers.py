@@ -40,10 +40,11 @@ from llmpool.operator import (
     render,
 )
 from llmpool.operator import status as pool_status
-from llmpool.operator.pool_load import pool_demand, replica_loads
+from llmpool.operator.pool_load import deletion_costs, pool_demand, replica_loads
 from llmpool.operator.sizing import size_pool
 from llmpool.operator.spec import PoolSpec
 from llmpool.operator.views import (
+    DELETION_COST_ANNOTATION,
     DeploymentView,
     PodView,
     deployment_view,
@@ -360,7 +361,12 @@ async def _check_drift(
 
 
 async def _autoscale(
-    body: kopf.Body, pool: PoolSpec, pods: list[PodView], observed: Observed, reconciled: bool
+    body: kopf.Body,
+    pool: PoolSpec,
+    pods: list[PodView],
+    loads: Mapping[str, float],
+    observed: Observed,
+    reconciled: bool,
 ) -> autoscaling.Decision:
     """This pass's decision from the pool's load and the state kept in its status."""
     assert pool.autoscaling is not None
@@ -377,7 +383,7 @@ async def _autoscale(
         current = observed.deployment.replicas if observed.deployment else None
         state = autoscaling.ScalerState.initial(pool.autoscaling, current)
     now = int(time.time())
-    load = pool_demand(await replica_loads(pods), body["metadata"].get("annotations"), now)
+    load = pool_demand(loads, body["metadata"].get("annotations"), now)
     digest = status.get("pinnedDigest")
     rolling = digest is not None and (
         pool_status.rollout_state(
@@ -387,6 +393,18 @@ async def _autoscale(
     return autoscaling.decide(
         pool.autoscaling, state, now=now, load=load, hold_down=rolling or bool(status.get("drift"))
     )
+
+
+async def _write_deletion_costs(
+    namespace: str, pods: list[PodView], loads: Mapping[str, float]
+) -> None:
+    for pod, cost in deletion_costs(pods, loads).items():
+        try:
+            await kube.annotate_pod(namespace, pod, {DELETION_COST_ANNOTATION: cost})
+        except ApiException as error:
+            logger.warning(
+                "%s: setting the deletion cost of pod %s failed: %s", namespace, pod, error
+            )
 
 
 def _scaled_events(body: kopf.Body, decision: autoscaling.Decision) -> None:
@@ -427,8 +445,11 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
     blocked = admission.refusal(pool, policy)
     scaling: autoscaling.Decision | None = None
     replicas = pool.replicas
+    loads = await replica_loads(pods)
+    # Before any scale-down this pass applies: the ReplicaSet then removes the idlest replica.
+    await _write_deletion_costs(namespace, pods, loads)
     if blocked is None and pool.autoscaling is not None:
-        scaling = await _autoscale(body, pool, pods, observed, reconciled)
+        scaling = await _autoscale(body, pool, pods, loads, observed, reconciled)
         replicas = scaling.state.desired
     elif pool.autoscaling is not None and status.get("autoscaling"):
         replicas = int(status["autoscaling"].get("desiredReplicas", pool.replicas))

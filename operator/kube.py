@@ -130,6 +130,19 @@ async def read_configmap_key(namespace: str, name: str, key: str) -> str | None:
     return (configmap.data or {}).get(key)
 
 
+async def annotate_pod(namespace: str, name: str, annotations: dict[str, str]) -> None:
+    """JSON merge patch of a pod's annotations; a pod already gone is no error."""
+    core = kubernetes.client.CoreV1Api()
+    body = {"metadata": {"annotations": annotations}}
+    try:
+        await asyncio.to_thread(
+            core.patch_namespaced_pod, name, namespace, body, _content_type=MERGE_PATCH_CONTENT_TYPE
+        )
+    except ApiException as error:
+        if error.status != 404:
+            raise
+
+
 async def delete_pod(namespace: str, name: str, uid: str) -> bool:
     """Delete exactly the pod that was judged (uid precondition); False if it is already gone."""
     core = kubernetes.client.CoreV1Api()

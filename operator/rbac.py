@@ -69,8 +69,9 @@ NAMESPACED_RULES = (
     Rule(
         ("",),
         ("pods",),
-        ("list", "watch", "delete"),
-        "watch engine pods for status and drift; policy Recreate deletes drifted pods",
+        ("list", "watch", "patch", "delete"),
+        "watch engine pods for status and drift; keep their deletion cost in step with their"
+        " load; policy Recreate deletes drifted pods",
     ),
     Rule(("",), ("events",), ("create",), "Events about pools"),
 )

@@ -30,6 +30,7 @@ def test_the_operator_can_do_its_job():
         ("", "configmaps", "patch"),
         ("", "pods", "watch"),
         ("", "pods", "delete"),
+        ("", "pods", "patch"),
         ("policy", "poddisruptionbudgets", "patch"),
         ("policy", "poddisruptionbudgets", "watch"),
         ("", "events", "create"),
