@@ -135,11 +135,14 @@ class Gateway:
         body = parse_json_body(raw)
         pool = self._pool_for(body, request.headers.get("x-llmpool-priority"))
         key = routing.prefix_key(routing.prompt_text(body), self.settings.prefix_chars)
+        # One hold budget for both attempts: a request refused by the only replica (it drains)
+        # waits for the replica replacing it rather than failing.
+        deadline = time.monotonic() + self.settings.hold_timeout
         tried: set[str] = set()
         failure: UpstreamFailed | None = None
         for attempt in range(2):
             try:
-                pool, decision = await self._pick(pool, key, tried)
+                pool, decision = await self._pick(pool, key, tried, deadline)
             except APIError:
                 if failure is None:
                     raise
@@ -204,9 +207,10 @@ class Gateway:
             raise bad_request(str(error), param="priority", code=error.code) from None
         return routing.choose_pool(pools, wanted)
 
-    async def _pick(self, pool: Pool, key: bytes, tried: set[str]) -> tuple[Pool, routing.Decision]:
-        """A replica not tried yet; the first attempt waits up to hold_timeout for one to appear."""
-        deadline = time.monotonic() + (0 if tried else self.settings.hold_timeout)
+    async def _pick(
+        self, pool: Pool, key: bytes, tried: set[str], deadline: float
+    ) -> tuple[Pool, routing.Decision]:
+        """A replica not tried yet, waiting until ``deadline`` (monotonic) for one to appear."""
         while True:
             pool = self.table.pool(pool.key) or pool
             started = time.perf_counter()

@@ -68,8 +68,19 @@ def pool_from_object(obj: Mapping[str, Any]) -> Pool:
     )
 
 
+def serves_new_requests(endpoint: Mapping[str, Any]) -> bool:
+    """Ready, serving and not terminating (an unset condition counts as the API says: ready and
+    serving, not terminating). A terminating pod drains what it holds and takes nothing new."""
+    conditions = endpoint.get("conditions") or {}
+    return (
+        conditions.get("ready") is not False
+        and conditions.get("serving") is not False
+        and conditions.get("terminating") is not True
+    )
+
+
 def replicas_from_slice(endpoint_slice: Mapping[str, Any]) -> list[Replica]:
-    """The ready endpoints of an EndpointSlice (an unset ``ready`` means ready, as the API says)."""
+    """The endpoints of an EndpointSlice that take new requests (``serves_new_requests``)."""
     ports = endpoint_slice.get("ports") or []
     port = next(
         (p["port"] for p in ports if p.get("name") == naming.ENGINE_PORT_NAME and p.get("port")),
@@ -77,9 +88,7 @@ def replicas_from_slice(endpoint_slice: Mapping[str, Any]) -> list[Replica]:
     )
     replicas = []
     for endpoint in endpoint_slice.get("endpoints") or []:
-        if (endpoint.get("conditions") or {}).get("ready") is False or not endpoint.get(
-            "addresses"
-        ):
+        if not serves_new_requests(endpoint) or not endpoint.get("addresses"):
             continue
         address = endpoint["addresses"][0]
         host = f"[{address}]" if ":" in address else address

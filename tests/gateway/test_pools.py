@@ -57,7 +57,15 @@ def test_replicas_are_the_ready_endpoints_of_the_pools_service(make_slice) -> No
         make_slice(
             service,
             "s1",
-            [("pod-a", "10.1.0.5", True), ("pod-b", "10.1.0.6", False), ("pod-c", "fd00::7", None)],
+            [
+                ("pod-a", "10.1.0.5", True),
+                ("pod-b", "10.1.0.6", False),
+                ("pod-c", "fd00::7", None),
+                # Stopping: still serving what it holds, but no new request goes there.
+                ("pod-d", "10.1.0.9", {"ready": False, "serving": True, "terminating": True}),
+                ("pod-e", "10.1.0.10", {"ready": True, "serving": True, "terminating": True}),
+                ("pod-f", "10.1.0.11", {"serving": False}),
+            ],
         )
     )
     table.set_slice(make_slice("other-service", "s2", [("pod-z", "10.9.9.9", True)]))
