@@ -138,7 +138,7 @@ def test_without_demand_records_the_gateway_only_reads_pools() -> None:
 def test_disabled_renders_no_gateway_and_rbac_off_renders_no_rules() -> None:
     assert gateway_objects(gateway={"enabled": False}) == {}
     kinds = set(gateway_objects(rbac={"create": False}))
-    assert kinds == {"ServiceAccount", "Service", "Deployment"}
+    assert kinds == {"ServiceAccount", "Service", "PodDisruptionBudget", "Deployment"}
 
 
 @pytest.mark.parametrize(
