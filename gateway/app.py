@@ -49,6 +49,10 @@ class GatewaySettings:
     connect_timeout: float = 2.0
     scrape_interval: float = 1.0
     scrape_timeout: float = 2.0
+    # Not ready once a watch loop has not heard from the API server for this long: a routing
+    # table that silently stopped following the pools must not keep taking traffic. (Watches
+    # end every 30 s and are re-listed on failure every 2 s; this is several of those.)
+    max_table_age: float = 90.0
 
 
 def _unavailable(message: str, code: str) -> APIError:
@@ -298,9 +302,14 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        """Ready once the first list of pools and endpoints is in: before, every model is 404."""
+        """Ready once the first list of pools and endpoints is in (before, every model is 404),
+        and while the table keeps following the API server."""
         if not self.table.synced:
             return JSONResponse({"status": "not ready"}, status_code=503)
+        age = self.table.age()
+        if age > self.settings.max_table_age:
+            body = {"status": "stale", "tableAgeSeconds": round(age)}
+            return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ready", "pools": len(self.table.pools())})
 
     async def prometheus(self, request: Request) -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +116,7 @@ class PoolTable:
         self._slices: dict[PoolKey, _Slice] = {}  # (namespace, slice name) -> slice
         self._changed = asyncio.Event()
         self.synced = False  # True once the first lists are in; until then, every model is 404
+        self._heard: dict[int, float] = {}  # watch loop -> when it last heard the API server
 
     # --- updates ------------------------------------------------------------------------------
 
@@ -160,7 +162,19 @@ class PoolTable:
     async def wait_for_change(self) -> None:
         await self._changed.wait()
 
+    def heard_from(self, source: int) -> None:
+        """Watch loop ``source`` has just heard from the API server (a list, an event, a watch
+        the server ended on time)."""
+        self._heard[source] = time.monotonic()
+
     # --- queries ------------------------------------------------------------------------------
+
+    def age(self) -> float:
+        """Seconds since the watch loop heard from longest ago last heard from the API server;
+        0 for a table no loop feeds (filled by hand)."""
+        if not self._heard:
+            return 0.0
+        return time.monotonic() - min(self._heard.values())
 
     def pool(self, key: PoolKey) -> Pool | None:
         return self._pools.get(key)

@@ -60,6 +60,10 @@ APPLY_RETRY_SECONDS = 10
 # operator's own last apply is this old.
 RESTORE_GRACE_SECONDS = 5
 DELETION_POLLING_SECONDS = 1.0
+WATCH_SERVER_TIMEOUT_SECONDS = 60
+WATCH_CLIENT_SLACK_SECONDS = 15
+API_CONNECT_TIMEOUT_SECONDS = 5
+API_REQUEST_TIMEOUT_SECONDS = 30
 DEFAULT_ENGINE_IMAGE = "llmpool:latest"
 ANNOTATION_PREFIX = "llmpool.dev"
 APPLY_REJECTED = "ApplyRejected"
@@ -96,6 +100,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # kopf re-checks that every cancellation_polling seconds (60 by default), so a delete
     # landing mid-run would hang `kubectl delete --wait` for a minute.
     settings.background.cancellation_polling = DELETION_POLLING_SECONDS
+    # Every watch ends on the server after WATCH_SERVER_TIMEOUT_SECONDS and is resumed; one
+    # silently dropped (no FIN from a vanished API server) is ended by the client timeout, and
+    # every other request is bounded too.
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_SECONDS
+    settings.watching.client_timeout = WATCH_SERVER_TIMEOUT_SECONDS + WATCH_CLIENT_SLACK_SECONDS
+    settings.watching.connect_timeout = API_CONNECT_TIMEOUT_SECONDS
+    settings.networking.request_timeout = API_REQUEST_TIMEOUT_SECONDS
+    settings.networking.connect_timeout = API_CONNECT_TIMEOUT_SECONDS
     # Watch only the pools' own children, filtered by the API server.
     settings.watching.label_selectors["v1", "pods"] = naming.POOL_LABEL
     settings.watching.label_selectors["apps", "v1", "deployments"] = naming.POOL_LABEL

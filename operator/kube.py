@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 MERGE_PATCH_CONTENT_TYPE = "application/merge-patch+json"
+# Every call is bounded (connect, read), so an API server that stops answering fails the pass
+# (which kopf retries) instead of hanging it, and with it the pool's lock, for good.
+REQUEST_TIMEOUT = (5.0, 30.0)
 
 
 def load_credentials() -> None:
@@ -54,6 +57,7 @@ async def apply(obj: dict[str, Any]) -> None:
         field_manager=naming.FIELD_MANAGER,
         force=True,
         _content_type=APPLY_CONTENT_TYPE,
+        _request_timeout=REQUEST_TIMEOUT,
     )
 
 
@@ -80,6 +84,7 @@ async def read_pool(namespace: str, name: str) -> dict[str, Any] | None:
             namespace,
             naming.PLURAL,
             name,
+            _request_timeout=REQUEST_TIMEOUT,
         )
     except ApiException as error:
         if error.status == 404:
@@ -100,6 +105,7 @@ async def _merge_patch_pool(
         name,
         body,
         _content_type=MERGE_PATCH_CONTENT_TYPE,
+        _request_timeout=REQUEST_TIMEOUT,
     )
 
 
@@ -122,7 +128,9 @@ async def read_configmap_key(namespace: str, name: str, key: str) -> str | None:
     """A ConfigMap value, or None when the ConfigMap or the key does not exist."""
     core = kubernetes.client.CoreV1Api()
     try:
-        configmap = await asyncio.to_thread(core.read_namespaced_config_map, name, namespace)
+        configmap = await asyncio.to_thread(
+            core.read_namespaced_config_map, name, namespace, _request_timeout=REQUEST_TIMEOUT
+        )
     except ApiException as error:
         if error.status == 404:
             return None
@@ -136,7 +144,12 @@ async def annotate_pod(namespace: str, name: str, annotations: dict[str, str]) -
     body = {"metadata": {"annotations": annotations}}
     try:
         await asyncio.to_thread(
-            core.patch_namespaced_pod, name, namespace, body, _content_type=MERGE_PATCH_CONTENT_TYPE
+            core.patch_namespaced_pod,
+            name,
+            namespace,
+            body,
+            _content_type=MERGE_PATCH_CONTENT_TYPE,
+            _request_timeout=REQUEST_TIMEOUT,
         )
     except ApiException as error:
         if error.status != 404:
@@ -150,7 +163,13 @@ async def delete_pod(namespace: str, name: str, uid: str) -> bool:
         preconditions=kubernetes.client.V1Preconditions(uid=uid)
     )
     try:
-        await asyncio.to_thread(core.delete_namespaced_pod, name, namespace, body=options)
+        await asyncio.to_thread(
+            core.delete_namespaced_pod,
+            name,
+            namespace,
+            body=options,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
     except ApiException as error:
         if error.status in (404, 409):
             return False
@@ -180,7 +199,7 @@ async def ensure_peering(name: str, namespaces: list[str]) -> None:
         ]
     for call, args in calls:
         try:
-            await asyncio.to_thread(call, *args)
+            await asyncio.to_thread(call, *args, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as error:
             if error.status == 404:
                 logger.warning("kopf peering CRDs are not installed (crds/kopf-peering.yaml)")
