@@ -92,6 +92,12 @@ def test_two_replicas_by_default_and_evictions_take_one_at_a_time() -> None:
     assert budget["spec"]["maxUnavailable"] == 1
     assert budget["spec"]["selector"] == deployment["spec"]["selector"]
 
+    # A stopped replica keeps serving while its endpoint goes, then relays what it holds for
+    # longer than an engine drains (rollout.drainSeconds, 120 by default).
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"] >= 5
+    assert pod["terminationGracePeriodSeconds"] > 120
+
 
 def test_replicas_and_resources_follow_the_values() -> None:
     resources = {"requests": {"cpu": "1", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
