@@ -137,6 +137,12 @@ def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
         running.stop()
 
 
+@pytest.fixture(scope="session")
+def start_engine() -> Callable[..., Any]:
+    """``start_server`` of tests/server: a real `llmpool serve` for a test to stop as it likes."""
+    return server_fixtures.start_server
+
+
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
     """Two real engine servers of the built-in model, as two replicas of one pool."""
