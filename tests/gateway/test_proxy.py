@@ -6,12 +6,10 @@ a clean close (FIN) in the middle of a chunked body, or a reset (RST).
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -25,14 +23,15 @@ NAMESPACE = "team-a"
 QUIET = GatewaySettings(scrape_interval=3600)
 FIRST_EVENT = b'data: {"choices": [{"index": 0, "text": "Hel"}]}\n\n'
 ANSWER = b'{"choices": [{"index": 0, "text": "Hello"}]}'
-REFUSAL = b'{"error": {"message": "shutting down", "code": "service_unavailable"}}'
 
 
 class FakeReplica:
     """Answers GETs (the gateway's scrapes) with 404 and POSTs as ``behaviour`` says."""
 
     def __init__(self, behaviour: str) -> None:
-        self.behaviour = behaviour  # "answer", "refuse", "drop-before-head", "close-mid-stream", "reset-mid-stream"
+        self.behaviour = (
+            behaviour  # "answer", "drop-before-head", "close-mid-stream", "reset-mid-stream"
+        )
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.posts = 0
@@ -66,14 +65,6 @@ class FakeReplica:
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                     + f"Content-Length: {len(ANSWER)}\r\nConnection: close\r\n\r\n".encode()
                     + ANSWER
-                )
-                return
-            if self.behaviour == "refuse":  # as a draining engine answers
-                conn.sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                    + f"Retry-After: 1\r\nContent-Length: {len(REFUSAL)}\r\n".encode()
-                    + b"Connection: close\r\n\r\n"
-                    + REFUSAL
                 )
                 return
             if self.behaviour == "drop-before-head":
@@ -161,36 +152,3 @@ def test_a_replica_that_drops_the_request_before_its_head_is_retried(
         metrics[f'llmpool_gateway:upstream_errors_total{{kind="disconnected",{labels}}}']
         == dying.posts
     )
-
-
-def test_a_request_refused_by_the_only_replica_waits_for_its_replacement(
-    make_slice, fake_replicas, start_gateway
-) -> None:
-    """The pool's one replica drains (503 before any byte): the request is neither answered 503
-    nor sent back to it, but held until the replica replacing it is ready."""
-    draining, replacement = fake_replicas("refuse"), fake_replicas("answer")
-    routes = table(make_slice, {"draining": draining})
-    gateway = start_gateway(routes, GatewaySettings(scrape_interval=3600, hold_timeout=30))
-    body = {"model": MODEL, "prompt": "Hello"}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(httpx.post, f"{gateway.url}/v1/completions", json=body, timeout=30)
-        deadline = time.monotonic() + 10
-        while draining.posts == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(0.5)
-        assert not answer.done()  # held
-        stopping = {"ready": False, "serving": True, "terminating": True}
-        gateway.call(
-            routes.set_slice,
-            make_slice("pool", "draining", [("draining", "127.0.0.1", stopping)],
-                       namespace=NAMESPACE, port=draining.port),
-        )  # fmt: skip
-        gateway.call(
-            routes.set_slice,
-            make_slice("pool", "replacement", [("replacement", "127.0.0.1", True)],
-                       namespace=NAMESPACE, port=replacement.port),
-        )  # fmt: skip
-        response = answer.result(timeout=30)
-    assert response.status_code == 200 and response.content == ANSWER
-    assert (draining.posts, replacement.posts) == (1, 1)
