@@ -47,6 +47,7 @@ class Load:
         self.url = url
         self.phase = "steady"
         self.results: Counter[tuple[str, str]] = Counter()
+        self.latencies: dict[str, list[float]] = {}
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -56,8 +57,10 @@ class Load:
         with httpx.Client(timeout=300) as http:
             while not self._stop.is_set():
                 phase, stream = self.phase, sent % 2 == 1
+                started = time.monotonic()
                 outcome = self._one(http, f"Client {client} asks question {sent}:", stream)
                 with self._lock:
+                    self.latencies.setdefault(phase, []).append(time.monotonic() - started)
                     self.results[(phase, "ok" if outcome is None else "failed")] += 1
                     if outcome is not None:
                         self.failures.append(f"{phase}: {outcome}")
@@ -157,8 +160,13 @@ def test_stopping_replicas_under_load_fails_no_request(
                 engine.terminate()
     metrics = gateway.metrics()
     retried = sum(v for k, v in metrics.items() if 'decision="retry"' in k and "_total" in k)
-    for (phase, outcome), count in sorted(load.results.items()):
-        print(f"{phase}: {count} {outcome}")
+    for phase, latencies in load.latencies.items():
+        ok, failed = load.results[(phase, "ok")], load.results[(phase, "failed")]
+        latencies.sort()
+        print(
+            f"{phase}: {ok} ok, {failed} failed; latency p50 {latencies[len(latencies) // 2]:.1f}"
+            f" s, max {latencies[-1]:.1f} s"
+        )
     print(f"retried on another replica: {retried:.0f}")
     assert load.failures == []
     assert all(outcome == "ok" for _, outcome in load.results)
