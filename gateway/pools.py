@@ -170,8 +170,8 @@ class PoolTable:
     # --- queries ------------------------------------------------------------------------------
 
     def age(self) -> float:
-        """Seconds since the watch loop heard from longest ago last heard from the API server;
-        0 for a table no loop feeds (filled by hand)."""
+        """Seconds since the stalest watch loop last heard from the API server; 0 for a table
+        no loop feeds (filled by hand)."""
         if not self._heard:
             return 0.0
         return time.monotonic() - min(self._heard.values())

@@ -51,8 +51,8 @@ def deletion_costs(pods: Sequence[PodView], loads: Mapping[str, float]) -> dict[
     """The ``pod-deletion-cost`` to write on each pod whose annotation is out of step with its
     load, so that the ReplicaSet's scale-down removes idle replicas before busy ones.
 
-    A pod's cost is the requests it holds (rounded); a pod that did not answer keeps what it
-    has (it is not Ready, and the ReplicaSet removes pods that are not Ready first anyway).
+    A pod's cost is the requests it holds (rounded); a pod that did not answer its ``/metrics``
+    keeps what it has (one that is not Ready the ReplicaSet removes first anyway).
     """
     return {
         pod.name: cost
