@@ -49,6 +49,10 @@ class GatewaySettings:
     connect_timeout: float = 2.0
     scrape_interval: float = 1.0
     scrape_timeout: float = 2.0
+    # Not ready once a watch loop has not heard from the API server for this long: a routing
+    # table that silently stopped following the pools must not keep taking traffic. (Watches
+    # end every 30 s and are re-listed on failure every 2 s; this is several of those.)
+    max_table_age: float = 90.0
 
 
 def _unavailable(message: str, code: str) -> APIError:
@@ -135,11 +139,14 @@ class Gateway:
         body = parse_json_body(raw)
         pool = self._pool_for(body, request.headers.get("x-llmpool-priority"))
         key = routing.prefix_key(routing.prompt_text(body), self.settings.prefix_chars)
+        # One hold budget for both attempts: a request refused by the only replica (it drains)
+        # waits for the replica replacing it rather than failing.
+        deadline = time.monotonic() + self.settings.hold_timeout
         tried: set[str] = set()
         failure: UpstreamFailed | None = None
         for attempt in range(2):
             try:
-                pool, decision = await self._pick(pool, key, tried)
+                pool, decision = await self._pick(pool, key, tried, deadline)
             except APIError:
                 if failure is None:
                     raise
@@ -204,9 +211,10 @@ class Gateway:
             raise bad_request(str(error), param="priority", code=error.code) from None
         return routing.choose_pool(pools, wanted)
 
-    async def _pick(self, pool: Pool, key: bytes, tried: set[str]) -> tuple[Pool, routing.Decision]:
-        """A replica not tried yet; the first attempt waits up to hold_timeout for one to appear."""
-        deadline = time.monotonic() + (0 if tried else self.settings.hold_timeout)
+    async def _pick(
+        self, pool: Pool, key: bytes, tried: set[str], deadline: float
+    ) -> tuple[Pool, routing.Decision]:
+        """A replica not tried yet, waiting until ``deadline`` (monotonic) for one to appear."""
         while True:
             pool = self.table.pool(pool.key) or pool
             started = time.perf_counter()
@@ -294,9 +302,14 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        """Ready once the first list of pools and endpoints is in: before, every model is 404."""
+        """Ready once the first list of pools and endpoints is in (before, every model is 404),
+        and while the table keeps following the API server."""
         if not self.table.synced:
             return JSONResponse({"status": "not ready"}, status_code=503)
+        age = self.table.age()
+        if age > self.settings.max_table_age:
+            body = {"status": "stale", "tableAgeSeconds": round(age)}
+            return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ready", "pools": len(self.table.pools())})
 
     async def prometheus(self, request: Request) -> Response:

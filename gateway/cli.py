@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=GatewaySettings.scrape_interval,
         help="seconds between scrapes of each replica's /metrics and /fingerprint",
     )
+    parser.add_argument(
+        "--max-table-age",
+        type=float,
+        default=GatewaySettings.max_table_age,
+        help="seconds without word from the API server after which /ready is 503 (the routing"
+        " table may no longer follow the pools)",
+    )
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
     return parser
 
@@ -86,6 +93,8 @@ def settings_from(args: argparse.Namespace) -> GatewaySettings:
         raise ValueError(f"--load-factor must be at least 1.0, got {args.load_factor}")
     if args.hold_timeout < 0 or args.scrape_interval <= 0 or args.max_held < 0:
         raise ValueError("--hold-timeout and --max-held must be >= 0 and --scrape-interval > 0")
+    if args.max_table_age <= 0:
+        raise ValueError(f"--max-table-age must be positive, got {args.max_table_age}")
     return GatewaySettings(
         api_key=args.api_key,
         prefix_chars=args.prefix_chars,
@@ -93,6 +102,7 @@ def settings_from(args: argparse.Namespace) -> GatewaySettings:
         hold_timeout=args.hold_timeout,
         max_held=args.max_held,
         scrape_interval=args.scrape_interval,
+        max_table_age=args.max_table_age,
     )
 
 

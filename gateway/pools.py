@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmpool.operator import conditions, naming
@@ -33,6 +34,8 @@ class Pool:
     pinned_digest: str | None
     drifted: frozenset[str]  # pods listed in status.drift
     scales_from_zero: bool = False  # autoscaling.minReplicas 0: a held request brings a replica
+    # status.outgoing: pods of an older template during a rollout -> the digest that template pins
+    outgoing: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> PoolKey:
@@ -58,11 +61,27 @@ def pool_from_object(obj: Mapping[str, Any]) -> Pool:
         scales_from_zero=spec.autoscaling is not None and spec.autoscaling.min_replicas == 0,
         pinned_digest=status.get("pinnedDigest"),
         drifted=frozenset(entry["pod"] for entry in status.get("drift") or [] if "pod" in entry),
+        outgoing={
+            entry["pod"]: entry["pinnedDigest"]
+            for entry in status.get("outgoing") or []
+            if "pod" in entry and "pinnedDigest" in entry
+        },
+    )
+
+
+def serves_new_requests(endpoint: Mapping[str, Any]) -> bool:
+    """Ready, serving and not terminating (an unset condition counts as the API says: ready and
+    serving, not terminating). A terminating pod drains what it holds and takes nothing new."""
+    conditions = endpoint.get("conditions") or {}
+    return (
+        conditions.get("ready") is not False
+        and conditions.get("serving") is not False
+        and conditions.get("terminating") is not True
     )
 
 
 def replicas_from_slice(endpoint_slice: Mapping[str, Any]) -> list[Replica]:
-    """The ready endpoints of an EndpointSlice (an unset ``ready`` means ready, as the API says)."""
+    """The endpoints of an EndpointSlice that take new requests (``serves_new_requests``)."""
     ports = endpoint_slice.get("ports") or []
     port = next(
         (p["port"] for p in ports if p.get("name") == naming.ENGINE_PORT_NAME and p.get("port")),
@@ -70,9 +89,7 @@ def replicas_from_slice(endpoint_slice: Mapping[str, Any]) -> list[Replica]:
     )
     replicas = []
     for endpoint in endpoint_slice.get("endpoints") or []:
-        if (endpoint.get("conditions") or {}).get("ready") is False or not endpoint.get(
-            "addresses"
-        ):
+        if not serves_new_requests(endpoint) or not endpoint.get("addresses"):
             continue
         address = endpoint["addresses"][0]
         host = f"[{address}]" if ":" in address else address
@@ -99,6 +116,7 @@ class PoolTable:
         self._slices: dict[PoolKey, _Slice] = {}  # (namespace, slice name) -> slice
         self._changed = asyncio.Event()
         self.synced = False  # True once the first lists are in; until then, every model is 404
+        self._heard: dict[int, float] = {}  # watch loop -> when it last heard the API server
 
     # --- updates ------------------------------------------------------------------------------
 
@@ -144,7 +162,19 @@ class PoolTable:
     async def wait_for_change(self) -> None:
         await self._changed.wait()
 
+    def heard_from(self, source: int) -> None:
+        """Watch loop ``source`` has just heard from the API server (a list, an event, a watch
+        the server ended on time)."""
+        self._heard[source] = time.monotonic()
+
     # --- queries ------------------------------------------------------------------------------
+
+    def age(self) -> float:
+        """Seconds since the stalest watch loop last heard from the API server; 0 for a table
+        no loop feeds (filled by hand)."""
+        if not self._heard:
+            return 0.0
+        return time.monotonic() - min(self._heard.values())
 
     def pool(self, key: PoolKey) -> Pool | None:
         return self._pools.get(key)

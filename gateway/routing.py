@@ -109,7 +109,8 @@ class Candidate:
 
 
 def routable(pool: Pool, candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The replicas that may take traffic: none listed in status.drift, none with a wrong digest.
+    """The replicas that may take traffic: none listed in status.drift, none whose digest differs
+    from its own pin (``drifted``).
 
     Raises a 503 when there are replicas but every one of them drifted, or when there are none.
     """
@@ -126,11 +127,15 @@ def routable(pool: Pool, candidates: Sequence[Candidate]) -> list[Candidate]:
 
 
 def drifted(pool: Pool, candidate: Candidate) -> bool:
+    """Listed in status.drift, or serving a digest other than its own template's pin.
+
+    During a rollout an outgoing replica is held to the pin of the template it was created
+    from (status.outgoing), so it keeps serving until it is replaced: a rollout is not drift.
+    """
     if candidate.replica.name in pool.drifted:
         return True
-    return None not in (candidate.digest, pool.pinned_digest) and (
-        candidate.digest != pool.pinned_digest
-    )
+    own_pin = pool.outgoing.get(candidate.replica.name, pool.pinned_digest)
+    return None not in (candidate.digest, own_pin) and candidate.digest != own_pin
 
 
 def rank(key: bytes, replicas: Sequence[Candidate]) -> list[Candidate]:

@@ -2,6 +2,13 @@
 
 The official client is synchronous, so each list-watch loop runs in a daemon thread of its own
 and hands every change to the event loop, which alone touches the table.
+
+Every call is bounded: a list by ``LIST_TIMEOUT``; a watch by the server, which ends it after
+``WATCH_TIMEOUT_SECONDS``, and by the client's read timeout a little later, which ends a watch
+whose connection died silently (no FIN: a vanished API server or a dropped NAT entry). Each
+loop re-lists every ``RESYNC_SECONDS`` whatever its watch says. The table records when each
+loop last heard from the API server (a list, an event, a watch the server ended), so the
+gateway can tell that its table is stale (``PoolTable.age``).
 """
 
 from __future__ import annotations
@@ -10,11 +17,13 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import kubernetes
+import urllib3
 from kubernetes.client import ApiException
 
 from llmpool.gateway.pools import SERVICE_NAME_LABEL, Pool, PoolTable, pool_from_object
@@ -22,7 +31,11 @@ from llmpool.operator import naming
 
 logger = logging.getLogger(__name__)
 
-WATCH_TIMEOUT_SECONDS = 60  # the server ends each watch after this; the loop resumes it
+WATCH_TIMEOUT_SECONDS = 30  # the server ends each watch after this; the loop resumes it
+WATCH_CLIENT_SLACK_SECONDS = 10  # the client gives up this much later: the watch died silently
+CONNECT_TIMEOUT_SECONDS = 5.0
+LIST_TIMEOUT = (CONNECT_TIMEOUT_SECONDS, 30.0)
+RESYNC_SECONDS = 300  # a full re-list this often, even while the watch looks healthy
 RETRY_DELAY_SECONDS = 2.0
 
 Object = Mapping[str, Any]
@@ -101,41 +114,58 @@ class TableWatcher:
         while not self._stop.is_set():
             try:
                 version = self._list(index, resource)
-                self._watch(resource, version)
+                self._watch(index, resource, version)
             except ApiException as error:
                 if error.status != 410:
                     logger.warning("watching %s failed: %s", resource.kind, error)
                     self._stop.wait(RETRY_DELAY_SECONDS)
+            except (urllib3.exceptions.HTTPError, OSError) as error:
+                # A timeout (a watch that died silently) or a refused connection: list again.
+                logger.warning("watching %s failed: %s", resource.kind, error)
+                self._stop.wait(RETRY_DELAY_SECONDS)
             except Exception:
                 logger.exception("watching %s failed", resource.kind)
                 self._stop.wait(RETRY_DELAY_SECONDS)
 
     def _list(self, index: int, resource: Resource) -> str:
-        response = resource.list_call(*resource.args, **resource.kwargs, _preload_content=False)
+        response = resource.list_call(
+            *resource.args, **resource.kwargs, _preload_content=False, _request_timeout=LIST_TIMEOUT
+        )
         listed = json.loads(response.data)
         items = listed.get("items") or []
         self._post(self._apply_list, index, resource, items)
         return listed["metadata"]["resourceVersion"]
 
-    def _watch(self, resource: Resource, version: str) -> None:
+    def _watch(self, index: int, resource: Resource, version: str) -> None:
+        """Watch from ``version`` until it is time to re-list (or a failure raises)."""
         watch = kubernetes.watch.Watch()
-        while not self._stop.is_set():
+        resync_at = time.monotonic() + RESYNC_SECONDS
+        while not self._stop.is_set() and time.monotonic() < resync_at:
             for event in watch.stream(
                 resource.list_call,
                 *resource.args,
                 **resource.kwargs,
                 resource_version=version,
                 timeout_seconds=WATCH_TIMEOUT_SECONDS,
+                _request_timeout=(
+                    CONNECT_TIMEOUT_SECONDS,
+                    WATCH_TIMEOUT_SECONDS + WATCH_CLIENT_SLACK_SECONDS,
+                ),
             ):
                 if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                    self._post(self._apply_event, resource, event["type"], event["raw_object"])
+                    self._post(
+                        self._apply_event, index, resource, event["type"], event["raw_object"]
+                    )
                 if self._stop.is_set():
                     return
+            # The server ended the watch on time: the connection was alive all along.
+            self._post(self.table.heard_from, index)
             version = watch.resource_version or version
 
     # --- on the event loop --------------------------------------------------------------------
 
     def _apply_list(self, index: int, resource: Resource, items: list[Object]) -> None:
+        self.table.heard_from(index)
         if resource.kind == "pools":
             self.table.reset_pools(resource.namespace, _pools(items))
         else:
@@ -145,7 +175,8 @@ class TableWatcher:
             self.table.synced = True
             logger.info("watching %d pool(s)", len(self.table.pools()))
 
-    def _apply_event(self, resource: Resource, kind: str, obj: Object) -> None:
+    def _apply_event(self, index: int, resource: Resource, kind: str, obj: Object) -> None:
+        self.table.heard_from(index)
         metadata = obj["metadata"]
         key = (metadata["namespace"], metadata["name"])
         if resource.kind == "pools":

@@ -77,18 +77,32 @@ def _majority_entries(fingerprints: Sequence[Fingerprint], field: str) -> list[D
 def classify_drift(
     fingerprints: Iterable[Fingerprint], expected_pinned: Mapping[str, Any], expected_digest: str
 ) -> list[DriftEntry]:
-    """Drift entries of the replicas that run the current pod template.
+    """Drift entries of the replicas, each judged against the pin of its own pod template.
 
-    A pod whose template still carries an older digest belongs to a rollout in progress: it
-    is expected to differ, so it is neither reported nor counted in the sibling majority.
+    A pod of an older template (a rollout in progress) is outgoing, not drifted: it is held to
+    the digest its template carries, so only a replica that runs something other than its own
+    template's pin is reported, with field detail where its template is the current one (the
+    older pin's fields are not known here). The sibling majority of observed digests is taken
+    among the pods of one template, since a new pin may change the weights.
     """
-    current = [f for f in fingerprints if f.template_digest == expected_digest]
+    by_template: dict[str, list[Fingerprint]] = {}
+    for fingerprint in fingerprints:
+        if fingerprint.template_digest is not None:
+            by_template.setdefault(fingerprint.template_digest, []).append(fingerprint)
     entries: list[DriftEntry] = []
-    for fingerprint in current:
-        if fingerprint.body.get("digest") != expected_digest:
-            entries += _pinned_entries(fingerprint.pod, fingerprint.body, expected_pinned)
-    for field in OBSERVED_MAJORITY_FIELDS:
-        entries += _majority_entries(current, field)
+    for template_digest, siblings in by_template.items():
+        for fingerprint in siblings:
+            actual = fingerprint.body.get("digest")
+            if actual == template_digest:
+                continue
+            if template_digest == expected_digest:
+                entries += _pinned_entries(fingerprint.pod, fingerprint.body, expected_pinned)
+            else:
+                entries.append(
+                    DriftEntry(fingerprint.pod, "digest", template_digest, _text(actual))
+                )
+        for field in OBSERVED_MAJORITY_FIELDS:
+            entries += _majority_entries(siblings, field)
     return sorted(entries, key=lambda e: (e.pod, e.field))
 
 

@@ -38,6 +38,7 @@ def engine_args(spec: PoolSpec) -> list[str]:
         "--priority-class", spec.priority_class,
         # Always explicit, so that the bound on a request's priority never rests on a default.
         "--max-request-priority", spec.max_request_priority or spec.priority_class,
+        "--shutdown-timeout", str(spec.drain_seconds),
     ]  # fmt: skip
     if spec.quantization != "none":
         args += ["--quantization", spec.quantization]

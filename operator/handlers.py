@@ -40,10 +40,11 @@ from llmpool.operator import (
     render,
 )
 from llmpool.operator import status as pool_status
-from llmpool.operator.pool_load import pool_demand, replica_loads
+from llmpool.operator.pool_load import deletion_costs, pool_demand, replica_loads
 from llmpool.operator.sizing import size_pool
 from llmpool.operator.spec import PoolSpec
 from llmpool.operator.views import (
+    DELETION_COST_ANNOTATION,
     DeploymentView,
     PodView,
     deployment_view,
@@ -59,6 +60,10 @@ APPLY_RETRY_SECONDS = 10
 # operator's own last apply is this old.
 RESTORE_GRACE_SECONDS = 5
 DELETION_POLLING_SECONDS = 1.0
+WATCH_SERVER_TIMEOUT_SECONDS = 60
+WATCH_CLIENT_SLACK_SECONDS = 15
+API_CONNECT_TIMEOUT_SECONDS = 5
+API_REQUEST_TIMEOUT_SECONDS = 30
 DEFAULT_ENGINE_IMAGE = "llmpool:latest"
 ANNOTATION_PREFIX = "llmpool.dev"
 APPLY_REJECTED = "ApplyRejected"
@@ -95,11 +100,20 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # kopf re-checks that every cancellation_polling seconds (60 by default), so a delete
     # landing mid-run would hang `kubectl delete --wait` for a minute.
     settings.background.cancellation_polling = DELETION_POLLING_SECONDS
+    # Every watch ends on the server after WATCH_SERVER_TIMEOUT_SECONDS and is resumed; one
+    # silently dropped (no FIN from a vanished API server) is ended by the client timeout, and
+    # every other request is bounded too.
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_SECONDS
+    settings.watching.client_timeout = WATCH_SERVER_TIMEOUT_SECONDS + WATCH_CLIENT_SLACK_SECONDS
+    settings.watching.connect_timeout = API_CONNECT_TIMEOUT_SECONDS
+    settings.networking.request_timeout = API_REQUEST_TIMEOUT_SECONDS
+    settings.networking.connect_timeout = API_CONNECT_TIMEOUT_SECONDS
     # Watch only the pools' own children, filtered by the API server.
     settings.watching.label_selectors["v1", "pods"] = naming.POOL_LABEL
     settings.watching.label_selectors["apps", "v1", "deployments"] = naming.POOL_LABEL
     settings.watching.label_selectors["v1", "services"] = naming.POOL_LABEL
     settings.watching.label_selectors["v1", "configmaps"] = naming.POOL_LABEL
+    settings.watching.label_selectors["policy", "v1", "poddisruptionbudgets"] = naming.POOL_LABEL
     kube.load_credentials()
     if memo.get("peering_to_create"):
         await kube.ensure_peering(memo["peering_to_create"], list(memo.get("namespaces") or []))
@@ -142,6 +156,13 @@ def child_configmaps(
     return {(namespace, labels[naming.POOL_LABEL]): children.child_view(body)}
 
 
+@kopf.index("policy", "v1", "poddisruptionbudgets", labels=CHILD_WATCH_LABELS)
+def child_disruption_budgets(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str | None, str], children.ChildView]:
+    return {(namespace, labels[naming.POOL_LABEL]): children.child_view(body)}
+
+
 @dataclass(frozen=True)
 class Observed:
     """What the indexes hold for one pool: its pods, its Deployment, and its live children."""
@@ -153,7 +174,12 @@ class Observed:
 
 def observed_from_indexes(key: tuple[str, str], **indexes: Any) -> Observed:
     live: dict[str, children.ChildView] = {}
-    for index in ("child_configmaps", "child_services", "child_deployments"):
+    for index in (
+        "child_configmaps",
+        "child_services",
+        "child_disruption_budgets",
+        "child_deployments",
+    ):
         for view in indexes[index].get(key, []):
             live[f"{view.kind}/{view.name}"] = view
     return Observed(
@@ -278,6 +304,7 @@ async def _apply_children(
     rendered = [
         render.render_configmap(name, pinned, chat_template),
         render.render_service(name),
+        render.render_disruption_budget(name, pool),
         render.render_deployment(name, pool, digest, _policy(memo).engine_image, replicas),
     ]
     kopf.adopt(rendered, owner=body)
@@ -346,7 +373,12 @@ async def _check_drift(
 
 
 async def _autoscale(
-    body: kopf.Body, pool: PoolSpec, pods: list[PodView], observed: Observed, reconciled: bool
+    body: kopf.Body,
+    pool: PoolSpec,
+    pods: list[PodView],
+    loads: Mapping[str, float],
+    observed: Observed,
+    reconciled: bool,
 ) -> autoscaling.Decision:
     """This pass's decision from the pool's load and the state kept in its status."""
     assert pool.autoscaling is not None
@@ -363,7 +395,7 @@ async def _autoscale(
         current = observed.deployment.replicas if observed.deployment else None
         state = autoscaling.ScalerState.initial(pool.autoscaling, current)
     now = int(time.time())
-    load = pool_demand(await replica_loads(pods), body["metadata"].get("annotations"), now)
+    load = pool_demand(loads, body["metadata"].get("annotations"), now)
     digest = status.get("pinnedDigest")
     rolling = digest is not None and (
         pool_status.rollout_state(
@@ -373,6 +405,18 @@ async def _autoscale(
     return autoscaling.decide(
         pool.autoscaling, state, now=now, load=load, hold_down=rolling or bool(status.get("drift"))
     )
+
+
+async def _write_deletion_costs(
+    namespace: str, pods: list[PodView], loads: Mapping[str, float]
+) -> None:
+    for pod, cost in deletion_costs(pods, loads).items():
+        try:
+            await kube.annotate_pod(namespace, pod, {DELETION_COST_ANNOTATION: cost})
+        except ApiException as error:
+            logger.warning(
+                "%s: setting the deletion cost of pod %s failed: %s", namespace, pod, error
+            )
 
 
 def _scaled_events(body: kopf.Body, decision: autoscaling.Decision) -> None:
@@ -413,8 +457,11 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
     blocked = admission.refusal(pool, policy)
     scaling: autoscaling.Decision | None = None
     replicas = pool.replicas
+    loads = await replica_loads(pods)
+    # Before any scale-down this pass applies: the ReplicaSet then removes the idlest replica.
+    await _write_deletion_costs(namespace, pods, loads)
     if blocked is None and pool.autoscaling is not None:
-        scaling = await _autoscale(body, pool, pods, observed, reconciled)
+        scaling = await _autoscale(body, pool, pods, loads, observed, reconciled)
         replicas = scaling.state.desired
     elif pool.autoscaling is not None and status.get("autoscaling"):
         replicas = int(status["autoscaling"].get("desiredReplicas", pool.replicas))

@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 MERGE_PATCH_CONTENT_TYPE = "application/merge-patch+json"
+# Every call is bounded (connect, read), so an API server that stops answering fails the pass
+# (which kopf retries) instead of hanging it, and with it the pool's lock, for good.
+REQUEST_TIMEOUT = (5.0, 30.0)
 
 
 def load_credentials() -> None:
@@ -33,9 +36,11 @@ def load_credentials() -> None:
 def _appliers() -> dict[str, Callable[..., Any]]:
     core = kubernetes.client.CoreV1Api()
     apps = kubernetes.client.AppsV1Api()
+    policy = kubernetes.client.PolicyV1Api()
     return {
         "ConfigMap": core.patch_namespaced_config_map,
         "Service": core.patch_namespaced_service,
+        "PodDisruptionBudget": policy.patch_namespaced_pod_disruption_budget,
         "Deployment": apps.patch_namespaced_deployment,
     }
 
@@ -52,6 +57,7 @@ async def apply(obj: dict[str, Any]) -> None:
         field_manager=naming.FIELD_MANAGER,
         force=True,
         _content_type=APPLY_CONTENT_TYPE,
+        _request_timeout=REQUEST_TIMEOUT,
     )
 
 
@@ -78,6 +84,7 @@ async def read_pool(namespace: str, name: str) -> dict[str, Any] | None:
             namespace,
             naming.PLURAL,
             name,
+            _request_timeout=REQUEST_TIMEOUT,
         )
     except ApiException as error:
         if error.status == 404:
@@ -98,6 +105,7 @@ async def _merge_patch_pool(
         name,
         body,
         _content_type=MERGE_PATCH_CONTENT_TYPE,
+        _request_timeout=REQUEST_TIMEOUT,
     )
 
 
@@ -120,12 +128,32 @@ async def read_configmap_key(namespace: str, name: str, key: str) -> str | None:
     """A ConfigMap value, or None when the ConfigMap or the key does not exist."""
     core = kubernetes.client.CoreV1Api()
     try:
-        configmap = await asyncio.to_thread(core.read_namespaced_config_map, name, namespace)
+        configmap = await asyncio.to_thread(
+            core.read_namespaced_config_map, name, namespace, _request_timeout=REQUEST_TIMEOUT
+        )
     except ApiException as error:
         if error.status == 404:
             return None
         raise
     return (configmap.data or {}).get(key)
+
+
+async def annotate_pod(namespace: str, name: str, annotations: dict[str, str]) -> None:
+    """JSON merge patch of a pod's annotations; a pod already gone is no error."""
+    core = kubernetes.client.CoreV1Api()
+    body = {"metadata": {"annotations": annotations}}
+    try:
+        await asyncio.to_thread(
+            core.patch_namespaced_pod,
+            name,
+            namespace,
+            body,
+            _content_type=MERGE_PATCH_CONTENT_TYPE,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
+    except ApiException as error:
+        if error.status != 404:
+            raise
 
 
 async def delete_pod(namespace: str, name: str, uid: str) -> bool:
@@ -135,7 +163,13 @@ async def delete_pod(namespace: str, name: str, uid: str) -> bool:
         preconditions=kubernetes.client.V1Preconditions(uid=uid)
     )
     try:
-        await asyncio.to_thread(core.delete_namespaced_pod, name, namespace, body=options)
+        await asyncio.to_thread(
+            core.delete_namespaced_pod,
+            name,
+            namespace,
+            body=options,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
     except ApiException as error:
         if error.status in (404, 409):
             return False
@@ -165,7 +199,7 @@ async def ensure_peering(name: str, namespaces: list[str]) -> None:
         ]
     for call, args in calls:
         try:
-            await asyncio.to_thread(call, *args)
+            await asyncio.to_thread(call, *args, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as error:
             if error.status == 404:
                 logger.warning("kopf peering CRDs are not installed (crds/kopf-peering.yaml)")

@@ -34,7 +34,7 @@ def pod_labels(pool: str) -> dict[str, str]:
 
 
 def object_labels(pool: str) -> dict[str, str]:
-    """Labels of the Deployment, Service and ConfigMap of a pool."""
+    """Labels of the Deployment, Service, ConfigMap and PodDisruptionBudget of a pool."""
     return {**pod_labels(pool), MANAGED_BY_LABEL: FIELD_MANAGER}
 
 
@@ -48,6 +48,10 @@ def deployment_name(pool: str) -> str:
 
 
 def service_name(pool: str) -> str:
+    return pool
+
+
+def disruption_budget_name(pool: str) -> str:
     return pool
 
 

@@ -1,4 +1,5 @@
-"""A pool's load for the autoscaler: its ready replicas' engine gauges plus the gateway's holds."""
+"""A pool's load: its ready replicas' engine gauges plus the gateway's holds (for the autoscaler),
+and the deletion cost that makes a scale-down remove the least-loaded replica."""
 
 from __future__ import annotations
 
@@ -44,3 +45,19 @@ def pool_demand(
     demand = Demand.from_annotations(annotations)
     held = demand.held_at(now) if demand is not None else 0
     return sum(replicas.values()) + held
+
+
+def deletion_costs(pods: Sequence[PodView], loads: Mapping[str, float]) -> dict[str, str]:
+    """The ``pod-deletion-cost`` to write on each pod whose annotation is out of step with its
+    load, so that the ReplicaSet's scale-down removes idle replicas before busy ones.
+
+    A pod's cost is the requests it holds (rounded); a pod that did not answer its ``/metrics``
+    keeps what it has (one that is not Ready the ReplicaSet removes first anyway).
+    """
+    return {
+        pod.name: cost
+        for pod in pods
+        if pod.name in loads
+        and not pod.terminating
+        and (cost := str(round(loads[pod.name]))) != pod.deletion_cost
+    }

@@ -61,10 +61,17 @@ NAMESPACED_RULES = (
         "read the user's chat template; server-side apply of the pool's copy; watch it to restore it",
     ),
     Rule(
+        ("policy",),
+        ("poddisruptionbudgets",),
+        ("list", "watch", "create", "patch"),
+        "server-side apply of the pool's PodDisruptionBudget; watch it to restore it",
+    ),
+    Rule(
         ("",),
         ("pods",),
-        ("list", "watch", "delete"),
-        "watch engine pods for status and drift; policy Recreate deletes drifted pods",
+        ("list", "watch", "patch", "delete"),
+        "watch engine pods for status and drift; keep their deletion cost in step with their"
+        " load; policy Recreate deletes drifted pods",
     ),
     Rule(("",), ("events",), ("create",), "Events about pools"),
 )

@@ -1,4 +1,5 @@
-"""The objects a pool owns (ConfigMap, Deployment, Service), rendered as pure functions of its spec.
+"""The objects a pool owns (ConfigMap, Service, PodDisruptionBudget, Deployment), rendered as pure
+functions of its spec.
 
 Owner references and the namespace are added by the handler (``kopf.adopt``); everything else
 that reaches the API server is decided here.
@@ -15,6 +16,11 @@ from llmpool.operator.spec import PoolSpec
 
 ENGINE_USER_ID = 10001
 PINNED_JSON_KEY = "pinned.json"
+# A stopped pod keeps serving this long before SIGTERM, while its endpoint's removal reaches
+# kube-proxy and the gateways (the kubelet's own sleep: the image needs no shell).
+PRESTOP_SLEEP_SECONDS = 5
+# After the drain (--shutdown-timeout): the last responses written, the engine thread joined.
+EXIT_MARGIN_SECONDS = 15
 
 
 def render_configmap(pool: str, pinned: dict[str, Any], chat_template: str | None) -> dict:
@@ -51,6 +57,25 @@ def render_service(pool: str) -> dict:
                     "protocol": "TCP",
                 }
             ],
+        },
+    }
+
+
+def render_disruption_budget(pool: str, spec: PoolSpec) -> dict:
+    """At most ``rollout.maxUnavailable`` of the pool's pods evicted at once (a node drain, the
+    Eviction API): the same bound as a rollout's. A pod that is not Ready may always be evicted,
+    so a crash-looping replica never blocks a drain."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": naming.disruption_budget_name(pool),
+            "labels": naming.object_labels(pool),
+        },
+        "spec": {
+            "maxUnavailable": spec.max_unavailable,
+            "selector": {"matchLabels": naming.selector_labels(pool)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
@@ -109,6 +134,7 @@ def _engine_container(spec: PoolSpec, image: str) -> dict:
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
         },
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         # The engine writes "RevisionMismatch: ..." here before exiting with code 3.
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -119,6 +145,12 @@ def _engine_container(spec: PoolSpec, image: str) -> dict:
     if spec.resources:
         container["resources"] = dict(spec.resources)
     return container
+
+
+def termination_grace_seconds(spec: PoolSpec) -> int:
+    """Longer than the preStop sleep and the engine's drain together, so that SIGKILL never
+    comes before the engine has finished or ended its requests."""
+    return PRESTOP_SLEEP_SECONDS + spec.drain_seconds + EXIT_MARGIN_SECONDS
 
 
 def render_deployment(
@@ -159,7 +191,7 @@ def render_deployment(
             "fsGroup": ENGINE_USER_ID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "containers": [container],
         "volumes": volumes,
     }

@@ -17,6 +17,8 @@ DEFAULT_DRIFT_POLICY = "Report"
 DEFAULT_DRIFT_INTERVAL_SECONDS = 30
 DEFAULT_MAX_UNAVAILABLE = 1
 DEFAULT_MAX_SURGE = 1
+# Long enough for a CPU replica to finish generations of a few thousand tokens after SIGTERM.
+DEFAULT_DRAIN_SECONDS = 120
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class PoolSpec:
     drift_interval_seconds: int = DEFAULT_DRIFT_INTERVAL_SECONDS
     max_unavailable: int = DEFAULT_MAX_UNAVAILABLE
     max_surge: int = DEFAULT_MAX_SURGE
+    drain_seconds: int = DEFAULT_DRAIN_SECONDS
     image: str | None = None
     image_pull_policy: str | None = None
     resources: Mapping[str, Any] = field(default_factory=dict)
@@ -140,6 +143,7 @@ class PoolSpec:
             drift_interval_seconds=drift.get("intervalSeconds", DEFAULT_DRIFT_INTERVAL_SECONDS),
             max_unavailable=rollout.get("maxUnavailable", DEFAULT_MAX_UNAVAILABLE),
             max_surge=rollout.get("maxSurge", DEFAULT_MAX_SURGE),
+            drain_seconds=rollout.get("drainSeconds", DEFAULT_DRAIN_SECONDS),
             image=spec.get("image"),
             image_pull_policy=spec.get("imagePullPolicy"),
             resources=spec.get("resources") or {},

@@ -224,9 +224,24 @@ def compute_status(
             now=now,
         ),
     }
+    status["outgoing"] = outgoing_replicas(pods, observation.digest)
     if observation.drift is not None:
         status["drift"] = [entry.as_status() for entry in observation.drift]
     return status
+
+
+def outgoing_replicas(pods: Sequence[PodView], digest: str) -> list[dict[str, str]]:
+    """The pods of older templates, each with the digest its own template pins.
+
+    Written in the same status patch as a new ``pinnedDigest``, so that a reader (the gateway)
+    never sees the new pin without knowing which replicas are still held to an older one: they
+    keep serving until the rollout replaces them.
+    """
+    return [
+        {"pod": p.name, "pinnedDigest": p.digest}
+        for p in sorted(pods, key=lambda p: p.name)
+        if p.digest is not None and p.digest != digest
+    ]
 
 
 def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

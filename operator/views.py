@@ -10,6 +10,8 @@ from llmpool.operator import naming
 
 # Set by the Deployment controller on every pod of a ReplicaSet it created.
 POD_TEMPLATE_HASH_LABEL = "pod-template-hash"
+# Read by the ReplicaSet controller on scale-down: among ready pods, the lowest cost goes first.
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class PodView:
     # its Deployment gave it: together they tell the pool's own pods from look-alikes.
     replica_set: str | None = None
     template_hash: str | None = None
+    deletion_cost: str | None = None  # the pod-deletion-cost annotation as the operator last set it
 
     def belongs_to(self, deployment: str) -> bool:
         """Whether a ReplicaSet of Deployment ``deployment`` controls this pod."""
@@ -76,10 +79,11 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
     ]
     engine = engine_statuses[0] if engine_statuses else {}
     state = engine.get("state") or {}
+    annotations = metadata.get("annotations") or {}
     return PodView(
         name=metadata.get("name", ""),
         uid=metadata.get("uid", ""),
-        digest=(metadata.get("annotations") or {}).get(naming.DIGEST_ANNOTATION),
+        digest=annotations.get(naming.DIGEST_ANNOTATION),
         ready=ready,
         ip=status.get("podIP"),
         terminating=metadata.get("deletionTimestamp") is not None,
@@ -96,6 +100,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
             None,
         ),
         template_hash=(metadata.get("labels") or {}).get(POD_TEMPLATE_HASH_LABEL),
+        deletion_cost=annotations.get(DELETION_COST_ANNOTATION),
     )
 
 

@@ -511,6 +511,8 @@ def test_the_operator_service_account_has_least_privilege(
             ("patch", "deployments.apps"),
             ("patch", "services"),
             ("get", "configmaps"),
+            ("patch", "poddisruptionbudgets.policy"),
+            ("patch", "pods"),
             ("delete", "pods"),
             ("create", "events"),
         ]:
@@ -526,6 +528,7 @@ def test_the_operator_service_account_has_least_privilege(
             ("delete", "deployments.apps"),
             ("delete", "services"),
             ("delete", "configmaps"),
+            ("delete", "poddisruptionbudgets.policy"),
             ("delete", "llmpools.llmpool.dev"),
             ("update", "llmpools.llmpool.dev"),
             ("create", "roles.rbac.authorization.k8s.io"),

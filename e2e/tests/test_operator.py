@@ -168,6 +168,7 @@ def test_children_are_owned_and_deleted_with_the_pool(
         ("deployment", "smollm2-chat"),
         ("service", "smollm2-chat"),
         ("configmap", "smollm2-chat-engine"),
+        ("poddisruptionbudget", "smollm2-chat"),
     ]
     for kind, name in children:
         found = wait_for(
@@ -314,7 +315,12 @@ def events_with_reason(cluster: ClusterHandle, namespace: str, reason: str) -> s
 
 
 @pytest.mark.parametrize(
-    ("kind", "name"), [("service", "smollm2-chat"), ("configmap", "smollm2-chat-engine")]
+    ("kind", "name"),
+    [
+        ("service", "smollm2-chat"),
+        ("configmap", "smollm2-chat-engine"),
+        ("poddisruptionbudget", "smollm2-chat"),
+    ],
 )
 def test_a_deleted_service_or_configmap_is_restored(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str, kind: str, name: str
@@ -328,7 +334,11 @@ def test_a_deleted_service_or_configmap_is_restored(
         return uid if uid not in (None, old_uid) else None
 
     wait_for(f"the {kind} to be restored", restored, RESTORE_SECONDS, interval=0.5)
-    reason = {"service": "ServiceRestored", "configmap": "ConfigMapRestored"}[kind]
+    reason = {
+        "service": "ServiceRestored",
+        "configmap": "ConfigMapRestored",
+        "poddisruptionbudget": "PodDisruptionBudgetRestored",
+    }[kind]
     assert f"{name} was missing" in events_with_reason(cluster, namespace, reason)
 
 

@@ -154,6 +154,23 @@ class OpenAIServer:
             await self.engine.shutdown()
             logger.info("engine loop stopped")
 
+    async def drain(self, timeout: float) -> None:
+        """On SIGTERM: ``/ready`` turns 503 and new requests get a 503 with Retry-After at once,
+        before any byte of a response; requests in flight run to their end for up to
+        ``timeout`` seconds, and those still open then end with an error (a stream's last event
+        before ``[DONE]``), never a silent cut."""
+        logger.info(
+            "draining: refusing new requests, %d in flight, up to %.0f s",
+            self.engine.num_open_requests, timeout,
+        )  # fmt: skip
+        left = await self.engine.drain(timeout)
+        if left:
+            logger.warning(
+                "%d request(s) still open after %.0f s of drain: ending them", left, timeout
+            )
+            await self.engine.shutdown()
+        logger.info("drained")
+
     def routes(self) -> list[Route]:
         return [
             Route("/v1/completions", self._openai(self.completions), methods=["POST"]),
@@ -368,7 +385,7 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        if not self.engine.running:
+        if not self.engine.accepting:
             return JSONResponse({"status": "not ready"}, status_code=503)
         return JSONResponse({"status": "ready", "model": self.model_name})
 

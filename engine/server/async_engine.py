@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 # How long the idle engine thread sleeps on the command queue before checking for shutdown.
 _IDLE_POLL_SECONDS = 0.5
+# How often a drain looks whether the requests in flight have finished.
+_DRAIN_POLL_SECONDS = 0.1
 
 
 class QueueFullError(RuntimeError):
@@ -164,6 +166,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._draining = False
         self.error: BaseException | None = None
 
     # --- lifecycle (event loop) --------------------------------------------------------------
@@ -184,6 +187,25 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def accepting(self) -> bool:
+        """Running and not draining: new requests are taken."""
+        return self.running and not self._draining
+
+    @property
+    def num_open_requests(self) -> int:
+        """Request groups submitted whose stream has not ended yet."""
+        return len({id(stream) for stream, _ in self._streams.values()})
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests from now on and wait up to ``timeout`` seconds for the open ones
+        to finish; returns how many are still open (``shutdown`` then ends them)."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self._streams and self.running and time.monotonic() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_SECONDS)
+        return self.num_open_requests
 
     async def shutdown(self) -> None:
         """Stop the engine thread; requests still in flight end with EngineStoppedError."""
@@ -207,6 +229,8 @@ class AsyncEngine:
 
         Returns once the engine thread has added every child, at most one step later.
         """
+        if self._draining and self.running:
+            raise EngineStoppedError("this replica is shutting down; retry on another")
         if not self.running:
             raise EngineStoppedError(
                 "the engine is not running" + (f": {self.error}" if self.error else "")

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import dataclasses
 import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -26,6 +29,8 @@ logger = logging.getLogger("llmpool.serve")
 EXIT_BAD_ARGUMENTS = 2
 EXIT_REVISION_MISMATCH = 3
 TERMINATION_LOG = "/dev/termination-log"  # where Kubernetes reads a container's last words
+# After the drain, how long uvicorn waits for the last responses to be written.
+RESPONSE_FLUSH_SECONDS = 5.0
 
 # Engine settings that only some engine builds have: passed on when EngineConfig has the field,
 # otherwise only their defaults are accepted. (flag dest -> default)
@@ -156,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flags.add(
         "--shutdown-timeout",
-        "seconds to let requests finish after SIGTERM",
+        "seconds to let requests in flight finish after SIGTERM (the drain; new requests get a"
+        " retryable 503 meanwhile); streams still open then end with an error event",
         type=float,
         default=30.0,
     )
@@ -211,6 +217,34 @@ def _keep_exit_status_zero() -> None:
         signal.signal(sig, lambda *_: None)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM or SIGINT drains the app before uvicorn's own
+    shutdown: the port stays open meanwhile, so a late request is answered with a retryable 503
+    rather than refused by a closed socket. A second signal exits as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._draining: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining is not None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(self._start_drain, loop)
+
+    def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._draining is None:
+            self._draining = loop.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain()
+        finally:
+            self.should_exit = True
+
+
 def _build_core(config: EngineConfig) -> EngineCore:
     """Load in a thread that ends before the engine thread starts, so that the OpenMP worker
     threads the load spawned end with it and the engine thread's team is the process's only one
@@ -250,15 +284,17 @@ def main(argv: list[str] | None = None) -> int:
         stats_interval=args.stats_interval,
         tool_call_parser=args.tool_call_parser,
     )
-    server = uvicorn.Server(
+    app = build_app(core, settings)
+    server = DrainingServer(
         uvicorn.Config(
-            build_app(core, settings),
+            app,
             host=args.host,
             port=args.port,
             log_level=args.log_level.lower(),
             access_log=args.access_log,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
+            timeout_graceful_shutdown=RESPONSE_FLUSH_SECONDS,
+        ),
+        drain=lambda: app.state.server.drain(args.shutdown_timeout),
     )
     _keep_exit_status_zero()
     server.run()

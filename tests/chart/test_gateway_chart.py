@@ -83,6 +83,22 @@ def test_the_deployment_runs_llmpool_gateway_safely() -> None:
     assert pod["serviceAccountName"] == account["metadata"]["name"] == GATEWAY
 
 
+def test_two_replicas_by_default_and_evictions_take_one_at_a_time() -> None:
+    objects = gateway_objects()
+    (deployment,) = objects["Deployment"]
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    (budget,) = objects["PodDisruptionBudget"]
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"] == deployment["spec"]["selector"]
+
+    # A stopped replica keeps serving while its endpoint goes, then relays what it holds for
+    # longer than an engine drains (rollout.drainSeconds, 120 by default).
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"] >= 5
+    assert pod["terminationGracePeriodSeconds"] > 120
+
+
 def test_replicas_and_resources_follow_the_values() -> None:
     resources = {"requests": {"cpu": "1", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
     (deployment,) = gateway_objects(
@@ -128,7 +144,7 @@ def test_without_demand_records_the_gateway_only_reads_pools() -> None:
 def test_disabled_renders_no_gateway_and_rbac_off_renders_no_rules() -> None:
     assert gateway_objects(gateway={"enabled": False}) == {}
     kinds = set(gateway_objects(rbac={"create": False}))
-    assert kinds == {"ServiceAccount", "Service", "Deployment"}
+    assert kinds == {"ServiceAccount", "Service", "PodDisruptionBudget", "Deployment"}
 
 
 @pytest.mark.parametrize(

@@ -39,13 +39,13 @@ GATEWAY_START_TIMEOUT_S = 30
 def endpoint_slice(
     service: str,
     name: str,
-    endpoints: list[tuple[str, str, bool | None]],
+    endpoints: list[tuple[str, str, bool | dict[str, bool] | None]],
     *,
     namespace: str = "team-a",
     port: int = naming.ENGINE_PORT,
 ) -> dict[str, Any]:
     """An EndpointSlice as the API server returns it; ``endpoints``: (pod, address, ready) each,
-    ready None leaving the condition unset."""
+    ready None leaving the condition unset, a dict giving every condition."""
     return {
         "metadata": {
             "name": name,
@@ -56,7 +56,9 @@ def endpoint_slice(
         "endpoints": [
             {
                 "addresses": [address],
-                "conditions": {} if ready is None else {"ready": ready},
+                "conditions": (
+                    {} if ready is None else ready if isinstance(ready, dict) else {"ready": ready}
+                ),
                 "targetRef": {"kind": "Pod", "name": pod, "namespace": namespace},
             }
             for pod, address, ready in endpoints
@@ -95,6 +97,10 @@ class RunningGateway:
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
 
+    def call(self, callback: Callable[..., Any], *args: Any) -> None:
+        """Run ``callback`` on the gateway's event loop (the only thread that touches its table)."""
+        self.server.servers[0].get_loop().call_soon_threadsafe(callback, *args)
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
@@ -129,6 +135,12 @@ def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
     yield start
     for running in started:
         running.stop()
+
+
+@pytest.fixture(scope="session")
+def start_engine() -> Callable[..., Any]:
+    """``start_server`` of tests/server: a real `llmpool serve` for a test to stop as it likes."""
+    return server_fixtures.start_server
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ def test_defaults_and_the_api_key_from_the_environment(monkeypatch: pytest.Monke
         (["--load-factor", "0.5"], "--load-factor"),
         (["--prefix-chars", "0"], "--prefix-chars"),
         (["--scrape-interval", "0"], "--scrape-interval"),
+        (["--max-table-age", "0"], "--max-table-age"),
     ],
 )
 def test_bad_values_exit_2_naming_the_flag(

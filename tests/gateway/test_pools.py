@@ -32,9 +32,11 @@ def test_a_pool_from_the_interactive_example() -> None:
         "smollm2-interactive.yaml",
         pinnedDigest=DIGEST,
         drift=[{"pod": "smollm2-chat-x", "field": "chatTemplateSha256"}],
+        outgoing=[{"pod": "smollm2-chat-old", "pinnedDigest": "sha256:old"}],
         **READY,
     )
     pool = pool_from_object(obj)
+    assert pool.outgoing == {"smollm2-chat-old": "sha256:old"}
     assert (pool.namespace, pool.name, pool.served_name) == ("team-a", "smollm2-chat", "smollm2")
     assert (pool.priority_class, pool.ready, pool.pinned_digest) == ("interactive", True, DIGEST)
     assert pool.drifted == {"smollm2-chat-x"}
@@ -44,6 +46,7 @@ def test_a_new_pool_without_status_is_not_ready_and_has_no_pin_yet() -> None:
     pool = pool_from_object(example_pool("smollm2-batch.yaml"))
     assert (pool.priority_class, pool.ready, pool.pinned_digest) == ("batch", False, None)
     assert pool.drifted == frozenset()
+    assert pool.outgoing == {}
 
 
 def test_replicas_are_the_ready_endpoints_of_the_pools_service(make_slice) -> None:
@@ -54,7 +57,15 @@ def test_replicas_are_the_ready_endpoints_of_the_pools_service(make_slice) -> No
         make_slice(
             service,
             "s1",
-            [("pod-a", "10.1.0.5", True), ("pod-b", "10.1.0.6", False), ("pod-c", "fd00::7", None)],
+            [
+                ("pod-a", "10.1.0.5", True),
+                ("pod-b", "10.1.0.6", False),
+                ("pod-c", "fd00::7", None),
+                # Stopping: still serving what it holds, but no new request goes there.
+                ("pod-d", "10.1.0.9", {"ready": False, "serving": True, "terminating": True}),
+                ("pod-e", "10.1.0.10", {"ready": True, "serving": True, "terminating": True}),
+                ("pod-f", "10.1.0.11", {"serving": False}),
+            ],
         )
     )
     table.set_slice(make_slice("other-service", "s2", [("pod-z", "10.9.9.9", True)]))

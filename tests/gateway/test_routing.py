@@ -22,8 +22,12 @@ def pool(
     ready: bool = True,
     drifted: frozenset[str] = frozenset(),
     pinned_digest: str | None = DIGEST,
+    outgoing: dict[str, str] | None = None,
 ) -> Pool:
-    return Pool("ns", name, "smollm2", priority_class, ready, pinned_digest, drifted)
+    return Pool(
+        "ns", name, "smollm2", priority_class, ready, pinned_digest, drifted,
+        outgoing=outgoing or {},
+    )  # fmt: skip
 
 
 def idle(replicas: list[Replica] = REPLICAS, digest: str | None = DIGEST) -> list[Candidate]:
@@ -132,6 +136,45 @@ def test_a_replica_whose_fingerprint_digest_differs_gets_no_traffic() -> None:
     candidates[2] = Candidate(REPLICAS[2], 0.0, None)  # not scraped yet: no evidence of drift
     healthy = routing.routable(pool(), candidates)
     assert [c.replica.name for c in healthy] == ["chat-0", "chat-2", "chat-3"]
+
+
+OLD_DIGEST = "sha256:" + "0" * 64
+
+
+def test_a_rollout_is_not_drift_outgoing_replicas_keep_serving() -> None:
+    """The pin changed to DIGEST; chat-0 and chat-1 are outgoing replicas of the old template."""
+    rolling = pool(outgoing={"chat-0": OLD_DIGEST, "chat-1": OLD_DIGEST})
+    candidates = [
+        Candidate(REPLICAS[0], 0.0, OLD_DIGEST),
+        Candidate(REPLICAS[1], 0.0, OLD_DIGEST),
+        Candidate(REPLICAS[2], 0.0, DIGEST),  # the first new replica
+    ]
+    healthy = routing.routable(rolling, candidates)
+    assert [c.replica.name for c in healthy] == ["chat-0", "chat-1", "chat-2"]
+    # Before any new replica is ready, the old ones serve the whole pool: no 503.
+    assert len(routing.routable(rolling, candidates[:2])) == 2
+
+
+def test_only_a_replica_that_differs_from_its_own_pin_is_drifted() -> None:
+    rolling = pool(outgoing={"chat-0": OLD_DIGEST, "chat-1": OLD_DIGEST})
+    candidates = [
+        Candidate(REPLICAS[0], 0.0, OLD_DIGEST),
+        Candidate(REPLICAS[1], 0.0, DIGEST),  # an old template running the new pin: drifted
+        Candidate(REPLICAS[2], 0.0, OLD_DIGEST),  # a new template running the old pin: drifted
+        Candidate(REPLICAS[3], 0.0, DIGEST),
+    ]
+    healthy = routing.routable(rolling, candidates)
+    assert [c.replica.name for c in healthy] == ["chat-0", "chat-3"]
+
+
+def test_a_pinned_change_mid_drift_keeps_the_drifted_replica_out() -> None:
+    """chat-1 was in status.drift before the pin changed; it stays out while the others serve."""
+    rolling = pool(
+        drifted=frozenset({"chat-1"}), outgoing={"chat-0": OLD_DIGEST, "chat-1": OLD_DIGEST}
+    )
+    candidates = [Candidate(r, 0.0, OLD_DIGEST) for r in REPLICAS[:2]]
+    healthy = routing.routable(rolling, candidates)
+    assert [c.replica.name for c in healthy] == ["chat-0"]
 
 
 def test_all_replicas_drifted_is_a_503_and_no_replica_is_another() -> None:

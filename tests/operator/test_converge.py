@@ -71,6 +71,9 @@ class FakeApi:
     async def read_configmap_key(self, namespace: str, name: str, key: str) -> str | None:
         return self.template
 
+    async def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
+        self.writes.append(("Pod", {"name": name, "annotations": dict(annotations)}))
+
     def deployments(self) -> list[dict[str, Any]]:
         return [obj for kind, obj in self.writes if kind == "Deployment"]
 
@@ -81,7 +84,7 @@ class FakeApi:
         """The latest write of each child, as the indexes would show it."""
         latest = {}
         for kind, obj in self.writes:
-            if kind != "status":
+            if kind not in ("status", "Pod"):
                 latest[f"{kind}/{obj['metadata']['name']}"] = child_view(obj)
         return latest
 
@@ -91,7 +94,7 @@ def api(chat_pool, chat_template, monkeypatch) -> FakeApi:
     pool = copy.deepcopy(chat_pool)
     pool["metadata"].update(namespace=NAMESPACE, uid=UID, generation=1)
     fake = FakeApi(pool, chat_template)
-    for name in ("read_pool", "apply", "patch_pool_status", "read_configmap_key"):
+    for name in ("read_pool", "apply", "patch_pool_status", "read_configmap_key", "annotate_pod"):
         monkeypatch.setattr(kube, name, getattr(fake, name))
     return fake
 
@@ -169,7 +172,13 @@ async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkey
     monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
     memo = kopf.Memo()
     await converge(api, memo)
-    assert {kind for kind, _ in api.writes} == {"ConfigMap", "Service", "Deployment", "status"}
+    assert {kind for kind, _ in api.writes} == {
+        "ConfigMap",
+        "Service",
+        "PodDisruptionBudget",
+        "Deployment",
+        "status",
+    }
     reasons(events)
 
     quiet = len(api.writes)
@@ -179,6 +188,7 @@ async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkey
 
     live = api.children()
     del live["Service/smollm2-chat"]
+    del live["PodDisruptionBudget/smollm2-chat"]
     edited = copy.deepcopy(dict(live["Deployment/smollm2-chat"].body))
     edited["spec"]["template"]["spec"]["containers"][0]["args"][0] = "builtin://other"
     # Fields the API server or someone else adds do not count as a difference.
@@ -192,8 +202,16 @@ async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkey
         memo=memo,
         observed=handlers.Observed(pods=[], deployment=None, children=live),
     )
-    assert [kind for kind, _ in api.writes[quiet:]] == ["Service", "Deployment"]
-    assert sorted(reasons(events)) == ["DeploymentRestored", "ServiceRestored"]
+    assert [kind for kind, _ in api.writes[quiet:]] == [
+        "Service",
+        "PodDisruptionBudget",
+        "Deployment",
+    ]
+    assert sorted(reasons(events)) == [
+        "DeploymentRestored",
+        "PodDisruptionBudgetRestored",
+        "ServiceRestored",
+    ]
 
 
 async def test_a_rejected_child_leaves_a_condition_naming_the_problem(api):
@@ -282,3 +300,51 @@ async def test_an_autoscaled_pool_scales_from_zero_on_demand_without_a_restore_w
     await converge(api, memo)
     assert api.deployments()[-1]["spec"]["replicas"] == 2
     assert "autoscaling" not in api.pool["status"]
+
+
+async def test_a_scale_down_first_marks_the_idle_replica_cheapest_to_delete(
+    api, monkeypatch, make_pod
+):
+    """Deletion costs follow the load and are written before the Deployment is scaled down."""
+    capture_events()
+    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    loads = {"busy": 3.0, "idle": 0.0}
+
+    async def replica_loads(pods: Any) -> dict[str, float]:
+        return dict(loads)
+
+    monkeypatch.setattr(handlers, "replica_loads", replica_loads)
+    memo = kopf.Memo()
+    await converge(api, memo)
+    name = api.pool["metadata"]["name"]
+    cost = "controller.kubernetes.io/pod-deletion-cost"
+
+    def pods(costs: dict[str, str]) -> list[Any]:
+        bodies = [make_pod(p, replica_set=f"{name}-5c8d9f") for p in ("busy", "idle")]
+        for body in bodies:
+            if body["metadata"]["name"] in costs:
+                body["metadata"]["annotations"][cost] = costs[body["metadata"]["name"]]
+        return [handlers.pod_view(body) for body in bodies]
+
+    async def converge_with(costs: dict[str, str]) -> None:
+        observed = handlers.Observed(pods=pods(costs), deployment=None, children=api.children())
+        await handlers.converge(
+            namespace=NAMESPACE, name=name, uid=UID, memo=memo, observed=observed
+        )
+
+    written = len(api.writes)
+    update_spec(api, replicas=1)
+    await converge_with({})
+    kinds = [kind for kind, _ in api.writes[written:] if kind != "status"]
+    assert kinds[:2] == ["Pod", "Pod"] and "Deployment" in kinds
+    costs = {obj["name"]: obj["annotations"][cost] for kind, obj in api.writes if kind == "Pod"}
+    assert costs == {"busy": "3", "idle": "0"}
+    assert api.deployments()[-1]["spec"]["replicas"] == 1
+
+    # In step: nothing to write; the load changes: only that pod's cost is.
+    written = len(api.writes)
+    await converge_with(costs)
+    loads["idle"] = 2.0
+    await converge_with(costs)
+    pods_written = [obj for kind, obj in api.writes[written:] if kind == "Pod"]
+    assert pods_written == [{"name": "idle", "annotations": {cost: "2"}}]

@@ -71,14 +71,51 @@ def test_numbers_and_nulls_are_reported_as_text():
     assert entries[0].as_status()["expected"] == PINNED["chatTemplateSha256"]
 
 
+OLD_PINNED = {**PINNED, "maxModelLen": 1024}
+
+
 def test_pods_of_an_older_template_during_a_rollout_are_not_drift():
-    old_pinned = {**PINNED, "maxModelLen": 1024}
+    old_digest = pinning.pinned_digest(OLD_PINNED)
     fingerprints = [
         fingerprint("new-1"),
-        fingerprint("old-1", template_digest=OLD_DIGEST, pinned=old_pinned, weights="sha256:x"),
-        fingerprint("old-2", template_digest=OLD_DIGEST, pinned=old_pinned, weights="sha256:x"),
+        fingerprint("old-1", template_digest=old_digest, pinned=OLD_PINNED, weights="sha256:x"),
+        fingerprint("old-2", template_digest=old_digest, pinned=OLD_PINNED, weights="sha256:x"),
     ]
     assert classify_drift(fingerprints, PINNED, DIGEST) == []
+
+
+def test_an_outgoing_pod_is_judged_against_its_own_templates_pin():
+    old_digest = pinning.pinned_digest(OLD_PINNED)
+    fingerprints = [
+        fingerprint("new-1"),
+        fingerprint("old-1", template_digest=old_digest, pinned=OLD_PINNED),
+        # Created from the old template but running the new pin: it differs from its own.
+        fingerprint("old-2", template_digest=old_digest),
+    ]
+    assert classify_drift(fingerprints, PINNED, DIGEST) == [
+        DriftEntry("old-2", "digest", old_digest, DIGEST)
+    ]
+
+
+def test_a_pinned_change_mid_drift_keeps_the_drifted_pod_and_only_it():
+    """Pool on OLD_PINNED with old-b drifted (its chat template differs); then the pin changes.
+
+    Mid-rollout old-a still serves its own pin (no entry), old-b is still drifted against its
+    own template, the new replica is clean, and the siblings' weights majority is taken per
+    template, so the new pin's other weights flag nobody.
+    """
+    old_digest = pinning.pinned_digest(OLD_PINNED)
+    tampered = {**OLD_PINNED, "chatTemplateSha256": "f" * 64}
+    before = [
+        fingerprint("old-a", template_digest=old_digest, pinned=OLD_PINNED),
+        fingerprint("old-b", template_digest=old_digest, pinned=tampered),
+    ]
+    entries = classify_drift(before, OLD_PINNED, old_digest)
+    assert [(e.pod, e.field) for e in entries] == [("old-b", "chatTemplateSha256")]
+
+    during = [*before, fingerprint("new-a", weights="sha256:new")]
+    entries = classify_drift(during, PINNED, DIGEST)
+    assert entries == [DriftEntry("old-b", "digest", old_digest, pinning.pinned_digest(tampered))]
 
 
 def test_weights_differing_from_the_majority_is_drift():

@@ -46,6 +46,7 @@ def test_handlers_register_with_kopf():
         "child_deployments",
         "child_services",
         "child_configmaps",
+        "child_disruption_budgets",
     }
 
 
@@ -91,3 +92,17 @@ def test_admission_flags_and_environment(monkeypatch):
 def test_contradictory_admission_flags(argv, capsys):
     with pytest.raises(SystemExit):
         policy(argv)
+
+
+async def test_every_watch_and_request_of_kopf_is_bounded(monkeypatch):
+    import kopf
+
+    from llmpool.operator import handlers, kube
+
+    monkeypatch.setattr(kube, "load_credentials", lambda: None)
+    settings = kopf.OperatorSettings()
+    await handlers.configure(settings=settings, memo=kopf.Memo())
+    watching = settings.watching
+    assert watching.server_timeout and watching.client_timeout and watching.connect_timeout
+    assert watching.client_timeout > watching.server_timeout  # the server ends a live watch first
+    assert settings.networking.request_timeout and settings.networking.connect_timeout

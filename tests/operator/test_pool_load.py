@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from llmpool.load import DEMAND_ANNOTATION, DEMAND_TTL_SECONDS, Demand
-from llmpool.operator.pool_load import pool_demand, replica_loads
+from llmpool.operator.pool_load import deletion_costs, pool_demand, replica_loads
 from llmpool.operator.views import pod_view
 
 ENGINE_METRICS = """\
@@ -45,3 +45,16 @@ def test_demand_adds_fresh_holds_only() -> None:
     assert pool_demand({"a": 5.0, "b": 1.0}, fresh, now) == 10.0
     assert pool_demand({"a": 5.0, "b": 1.0}, stale, now) == 6.0
     assert pool_demand({}, None, now) == 0.0
+
+
+def test_deletion_costs_follow_the_load_and_change_only_when_it_does(make_pod) -> None:
+    def pod(name: str, cost: str | None = None, **kwargs) -> object:
+        body = make_pod(name, **kwargs)
+        if cost is not None:
+            body["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] = cost
+        return pod_view(body)
+
+    pods = [pod("busy"), pod("idle", cost="4"), pod("same", cost="2"), pod("unknown", cost="7")]
+    pods.append(pod("leaving", deleting=True))
+    loads = {"busy": 5.4, "idle": 0.0, "same": 2.0, "leaving": 1.0}
+    assert deletion_costs(pods, loads) == {"busy": "5", "idle": "0"}

@@ -30,6 +30,9 @@ def test_the_operator_can_do_its_job():
         ("", "configmaps", "patch"),
         ("", "pods", "watch"),
         ("", "pods", "delete"),
+        ("", "pods", "patch"),
+        ("policy", "poddisruptionbudgets", "patch"),
+        ("policy", "poddisruptionbudgets", "watch"),
         ("", "events", "create"),
         ("kopf.dev", "clusterkopfpeerings", "patch"),
     }

@@ -7,7 +7,12 @@ import pytest
 from llmpool import pinning
 from llmpool.operator import naming
 from llmpool.operator.engine_args import engine_args
-from llmpool.operator.render import render_configmap, render_deployment, render_service
+from llmpool.operator.render import (
+    render_configmap,
+    render_deployment,
+    render_disruption_budget,
+    render_service,
+)
 from llmpool.operator.spec import PoolSpec
 
 IMAGE = "registry.example/llmpool:1"
@@ -104,6 +109,16 @@ def test_deployment_shape(chat_spec, chat_template):
     assert container["resources"] == chat_spec["resources"]
 
 
+def test_the_grace_period_outlasts_the_prestop_sleep_and_the_drain(chat_spec, chat_template):
+    for drain, spec in [(120, chat_spec), (600, {**chat_spec, "rollout": {"drainSeconds": 600}})]:
+        deployment = render(spec, chat_template)
+        container = engine_container(deployment)
+        assert flag(container["args"], "--shutdown-timeout") == str(drain)
+        sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert sleep >= 5 and grace >= sleep + drain + 10
+
+
 def test_security_context(chat_spec, chat_template):
     deployment = render(chat_spec, chat_template)
     pod = deployment["spec"]["template"]["spec"]
@@ -196,11 +211,22 @@ def test_service_selects_the_engine_pods():
     assert naming.endpoint("chat", "team") == "http://chat.team.svc:8000/v1"
 
 
+def test_the_disruption_budget_bounds_evictions_as_a_rollout_is_bounded(chat_spec):
+    budget = render_disruption_budget("chat", PoolSpec.from_dict(chat_spec))
+    assert budget["kind"] == "PodDisruptionBudget" and budget["metadata"]["name"] == "chat"
+    assert budget["spec"]["selector"] == {"matchLabels": naming.selector_labels("chat")}
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    strict = PoolSpec.from_dict({**chat_spec, "rollout": {"maxUnavailable": 0, "maxSurge": 1}})
+    assert render_disruption_budget("chat", strict)["spec"]["maxUnavailable"] == 0
+
+
 def test_children_carry_the_pool_labels(chat_spec, chat_template):
     pinned = pinning.pinned_from_spec(chat_spec, chat_template)
     for child in (
         render_configmap("chat", pinned, chat_template),
         render_service("chat"),
+        render_disruption_budget("chat", PoolSpec.from_dict(chat_spec)),
         render(chat_spec, chat_template),
     ):
         assert child["metadata"]["labels"]["llmpool.dev/pool"] == "chat"

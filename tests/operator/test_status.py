@@ -67,6 +67,19 @@ def test_not_ready_while_old_pods_remain(make_pod, make_deployment):
     assert "old" in find(status["conditions"], "Ready")["message"]
 
 
+def test_replicas_of_an_older_template_are_listed_as_outgoing(make_pod, make_deployment):
+    """The same patch that carries the new pin says which replicas still hold an older one."""
+    pods = [("b", {}), ("old-2", {"digest": OLD}), ("old-1", {"digest": OLD})]
+    status = status_of(observe(make_pod, make_deployment, pods))
+    assert status["outgoing"] == [
+        {"pod": "old-1", "pinnedDigest": OLD},
+        {"pod": "old-2", "pinnedDigest": OLD},
+    ]
+    done = status_of(observe(make_pod, make_deployment, [("a", {}), ("b", {})]), status)
+    assert done["outgoing"] == []
+    assert status_patch(status, done)["outgoing"] == []
+
+
 def test_look_alike_pods_do_not_keep_the_pool_rolling_out(make_pod, make_deployment):
     """A pod with the pool label but no ReplicaSet of the pool (a debugging copy, say)."""
     pods = [("a", {}), ("b", {}), ("copy", {"digest": OLD, "replica_set": None})]
