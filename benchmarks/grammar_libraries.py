@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,7 @@ def main() -> int:
     report = {
         "command": "python benchmarks/grammar_libraries.py",
         "cpu": cpu_model(),
-        "versions": {"llguidance": llguidance.__version__, "xgrammar": xgrammar.__version__},
+        "versions": {name: version(name) for name in ("llguidance", "xgrammar")},
         "schemas": results,
         "person_walk": per_token,
     }

@@ -1,8 +1,9 @@
 """Structured outputs: tokens per second of json_schema requests against unconstrained ones.
 
 One engine, one process: at each concurrency a closed loop keeps that many requests in flight,
-first without a grammar (``ignore_eos``, so each runs to ``--max-tokens``), then with a JSON
-schema of a list of records (each ends when its JSON is complete). Tokens per second count every
+without a grammar (``ignore_eos``, so each runs to ``--max-tokens``) and with a JSON schema of
+a list of records (each ends when its JSON is complete or at ``--max-tokens``), alternating,
+``--repeats`` times each, the fastest run of each kept. Tokens per second count every
 generated token over the loop's wall time. The mask time per token is what llguidance spent
 filling the masks, from the engine's counters; the wait is what steps spent waiting for masks
 after their forward pass (the rest ran beside it).
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, best kept")
     parser.add_argument("--dtype", default="auto")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -113,13 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     run(engine, prompts[:2], 2, modes["json_schema"])  # warm-up: first steps of each shape
     results: dict[str, dict[str, dict[str, float]]] = {}
     for concurrency in args.concurrency:
-        results[str(concurrency)] = {}
-        for mode, params in modes.items():
-            count = max(args.requests, concurrency)
-            result = run(engine, prompts[:count], concurrency, params)
-            result["mask_ms_per_token"] = 1000 * result["mask_s"] / result["tokens"]
-            results[str(concurrency)][mode] = result
-            print(concurrency, mode, json.dumps(result), flush=True)
+        count = max(args.requests, concurrency)
+        best: dict[str, dict[str, float]] = {}
+        # Modes alternate, and each keeps its fastest run: load from other work on the machine
+        # then weighs on both alike.
+        for _ in range(args.repeats):
+            for mode, params in modes.items():
+                result = run(engine, prompts[:count], concurrency, params)
+                result["mask_ms_per_token"] = 1000 * result["mask_s"] / result["tokens"]
+                print(concurrency, mode, json.dumps(result), flush=True)
+                if mode not in best or result["tok_per_s"] > best[mode]["tok_per_s"]:
+                    best[mode] = result
+        results[str(concurrency)] = best
     report = {
         "command": " ".join(["python benchmarks/structured_outputs.py", *argv]),
         "cpu": cpu_model(),
