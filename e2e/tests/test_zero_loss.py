@@ -1,0 +1,512 @@
+"""Zero-loss changes on the real node: the real operator, gateway and engine pods (issue 24).
+
+Under steady load through the gateway (a few clients, every other request streamed, each asking
+for a fixed number of tokens), a pool goes through a pinned change, a scale-down, a scale-up, a
+deleted pod and an eviction through the Eviction API (which honours the pool's
+PodDisruptionBudget). Every request must answer 200 with every token it asked for, every stream
+end with ``[DONE]``; the counts per phase are printed (``pytest -s``). Then, with the load
+stopped, a scale-down under uneven load must remove the idle replica and leave the busy one's
+generation whole (the operator keeps ``pod-deletion-cost`` in step with each pod's load).
+Last, a rollout replaces the only replica while it streams a generation longer than the old
+30 s grace period: the drain lets it finish whole, and the gateway holds the load's requests
+until the new replica is Ready.
+
+The operator and the gateway run as local processes (as in test_gateway.py), the gateway
+reaching the pods by pod IP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from harness import ClusterHandle, GatewayProcess, OperatorProcess, pod_ready, wait_for
+
+from llmpool.operator import naming
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+POOL = "smollm2-chat"
+MODEL = "smollm2"
+CLIENTS = 3
+TOKENS = 12  # asked (and required) of every request: min_tokens = max_tokens, ignore_eos
+MIN_REQUESTS = 2 * CLIENTS  # answered in each phase, at least
+START_SECONDS = 300  # two engine pods loading the built-in model side by side
+CHANGE_SECONDS = 300  # a phase: pods replaced (engines started, old ones drained and gone)
+HOLD_SECONDS = 90  # the gateway's --hold-timeout
+CLIENT_TIMEOUT_SECONDS = HOLD_SECONDS + 30  # a hung request fails instead of stalling the test
+MAX_MODEL_LEN = 256
+LONG_MODEL_LEN = 2048  # from the pinned change on: room for a generation past the old grace
+OLD_GRACE_SECONDS = 30  # the grace period before drains: SIGKILL came this long after deletion
+# The generation a rollout's drain must let finish: this long at the rate measured on an idle
+# replica, about twice that beside the load and a starting engine, well within DRAIN_SECONDS.
+LONG_SECONDS = 40
+DRAIN_SECONDS = 240  # spec.rollout.drainSeconds (the example's 120 is tight for that on 2 cores)
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+LONG_TOKENS = 320  # the busy replica's generation in the scale-down under uneven load
+
+
+def pool_documents() -> list[dict[str, Any]]:
+    """The interactive example (template ConfigMap, PDB from rollout.maxUnavailable 1, drain,
+    Recreate drift policy), made small."""
+    documents = [
+        d for d in yaml.safe_load_all((ROOT / "examples" / "smollm2-interactive.yaml").read_text())
+        if d
+    ]  # fmt: skip
+    spec = next(d for d in documents if d["kind"] == naming.KIND)["spec"]
+    assert spec["replicas"] == 2 and spec["rollout"]["maxUnavailable"] == 1
+    spec["maxModelLen"] = MAX_MODEL_LEN
+    spec["engine"] = {
+        **spec["engine"], "maxNumSeqs": 8, "maxNumBatchedTokens": 512, "kvCacheMemory": "128Mi",
+    }  # fmt: skip
+    spec["rollout"]["drainSeconds"] = DRAIN_SECONDS
+    spec.pop("resources", None)
+    return documents
+
+
+class Load:
+    """``CLIENTS`` threads sending requests back to back through the gateway (every other one
+    streamed), each outcome counted under the phase current when it was sent."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.phase = "steady"
+        self.ok: Counter[str] = Counter()
+        self.failed: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def run(self, client: int) -> None:
+        sent = 0
+        timeout = httpx.Timeout(CLIENT_TIMEOUT_SECONDS, connect=10)
+        with httpx.Client(timeout=timeout) as http:
+            while not self._stop.is_set():
+                phase, stream = self.phase, (client + sent) % 2 == 1
+                prompt = f"Client {client} asks question {sent}:"
+                try:
+                    problem = self._one(http, prompt, stream)
+                except Exception as error:  # a malformed answer is a failure too
+                    problem = f"{type(error).__name__}: {error}"
+                with self._lock:
+                    if problem is None:
+                        self.ok[phase] += 1
+                    else:
+                        self.failed[phase] += 1
+                        kind = "stream" if stream else "request"
+                        self.failures.append(f"{phase}: {kind} {prompt!r}: {problem}")
+                sent += 1
+
+    def _one(self, http: httpx.Client, prompt: str, stream: bool) -> str | None:
+        """None when the answer is whole, else what was wrong with it."""
+        body = {
+            "model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "min_tokens": TOKENS,
+            "ignore_eos": True, "temperature": 0, "stream": stream,
+        }  # fmt: skip
+        if not stream:
+            response = http.post(f"{self.url}/v1/completions", json=body)
+            if response.status_code != 200:
+                return f"{response.status_code} {response.text[:300]}"
+            answer = response.json()
+            tokens = answer["usage"]["completion_tokens"]
+            reason = answer["choices"][0]["finish_reason"]
+            return None if (tokens, reason) == (TOKENS, "length") else f"{tokens} tokens, {reason}"
+        body["stream_options"] = {"include_usage": True}
+        with http.stream("POST", f"{self.url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return f"{response.status_code} {response.read()[:300]!r}"
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        if len(events) < 2 or events[-1] != "[DONE]":
+            return f"stream cut: {events[-2:]}"
+        last = json.loads(events[-2])
+        if "error" in last or (last.get("usage") or {}).get("completion_tokens") != TOKENS:
+            return f"stream ended with {events[-2][:300]}"
+        return None
+
+    def start(self, phase: str) -> None:
+        self.phase = phase
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def count(self, phase: str) -> int:
+        with self._lock:
+            return self.ok[phase] + self.failed[phase]
+
+
+# --------------------------------------------------------------------------- cluster helpers
+
+
+def pool_status(cluster: ClusterHandle, namespace: str) -> dict[str, Any]:
+    return cluster.get("llmpool", POOL, "-n", namespace).get("status") or {}
+
+
+def pool_ready(status: dict[str, Any]) -> bool:
+    return any(
+        c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or []
+    )
+
+
+def pool_pods(cluster: ClusterHandle, namespace: str) -> list[dict[str, Any]]:
+    """The pool's pods, terminating ones included, oldest first."""
+    pods = cluster.get("pods", "-n", namespace, "-l", naming.selector_string(POOL))["items"]
+    return sorted(pods, key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"]))
+
+
+def settled(
+    cluster: ClusterHandle, namespace: str, replicas: int, digest: str | None = None
+) -> list[str] | None:
+    """The pod names once the pool has exactly ``replicas`` pods, all Ready (of the template
+    pinning ``digest`` when given) and none terminating: every stopped pod drained and gone."""
+    pods = pool_pods(cluster, namespace)
+    if len(pods) != replicas or not all(pod_ready(p) for p in pods):
+        return None
+    if any(p["metadata"].get("deletionTimestamp") for p in pods):
+        return None
+    digests = {p["metadata"].get("annotations", {}).get(naming.DIGEST_ANNOTATION) for p in pods}
+    if digest is not None and digests != {digest}:
+        return None
+    return [p["metadata"]["name"] for p in pods]
+
+
+def patch_spec(cluster: ClusterHandle, namespace: str, spec: dict[str, Any]) -> None:
+    cluster.kubectl(
+        "patch", "llmpool", POOL, "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": spec}),
+    )  # fmt: skip
+
+
+def evict(cluster: ClusterHandle, namespace: str, pod: str) -> tuple[int, str]:
+    """POST an Eviction for ``pod`` (what `kubectl drain` does): exit code and output."""
+    body = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": pod, "namespace": namespace},
+    }
+    done = cluster.run(
+        "kubectl", "create", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction",
+        "-f", "-", input=json.dumps(body), check=False,
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
+
+
+def disruptions_allowed(cluster: ClusterHandle, namespace: str) -> int | None:
+    budget = cluster.get("pdb", naming.disruption_budget_name(POOL), "-n", namespace)
+    status = budget.get("status") or {}
+    if status.get("observedGeneration") != budget["metadata"].get("generation"):
+        return None
+    return status.get("disruptionsAllowed")
+
+
+def gateway_counts(gateway: GatewayProcess) -> dict[str, float]:
+    """Requests the gateway sent, by replica (pod name); ``retry``: of them, those sent to a
+    second replica after the first refused or failed; ``errors``: upstream errors, any kind."""
+    counts: dict[str, float] = {}
+    for line in gateway.get("/metrics")[1].splitlines():
+        if not line.startswith(("llmpool_gateway:requests_total{", "llmpool_gateway:upstream_")):
+            continue
+        labels, value = line.rsplit(" ", 1)
+        if line.startswith("llmpool_gateway:upstream_errors_total{"):
+            keys = ["errors"]
+        elif line.startswith("llmpool_gateway:requests_total{"):
+            keys = [labels.split('replica="', 1)[1].split('"', 1)[0]]
+            keys += ["retry"] if 'decision="retry"' in labels else []
+        else:
+            continue
+        for key in keys:
+            counts[key] = counts.get(key, 0.0) + float(value)
+    return counts
+
+
+def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key)
+    }
+
+
+def table(load: Load, rows: list[tuple[str, float, dict[str, float]]]) -> str:
+    """The per-phase counts: requests answered whole, failed; the gateway's retries and errors."""
+    lines = [f"{'phase':<16} {'seconds':>7} {'ok':>5} {'failed':>6} {'retried':>7} {'errors':>6}"]
+    for name, seconds, counts in rows:
+        lines.append(
+            f"{name:<16} {seconds:>7.0f} {load.ok[name]:>5} {load.failed[name]:>6}"
+            f" {counts.get('retry', 0):>7.0f} {counts.get('errors', 0):>6.0f}"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def operator(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """The real operator for this test's namespace only."""
+    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=established", "crd/llmpools.llmpool.dev")
+    process = OperatorProcess(cluster, tmp_path / "operator.log", "-n", namespace, "--standalone")
+    process.start()
+    yield process
+    # The pool carries the operator's finalizer: remove it while the operator runs.
+    cluster.run(
+        "kubectl", "delete", "llmpools", "--all", "-n", namespace, "--timeout=60s", check=False
+    )
+    process.stop()
+
+
+@pytest.fixture
+def gateway(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[GatewayProcess]:
+    process = GatewayProcess(cluster, namespace, tmp_path / "gateway.log", HOLD_SECONDS)
+    yield process
+    process.stop()
+
+
+# --------------------------------------------------------------------------- the test
+
+
+class Generation:
+    """A streamed generation of ``tokens`` tokens straight to one replica (by pod IP)."""
+
+    def __init__(self, cluster: ClusterHandle, namespace: str, pod: str, tokens: int) -> None:
+        ip = cluster.get("pod", pod, "-n", namespace)["status"]["podIP"]
+        self.url = f"http://{ip}:{naming.ENGINE_PORT}/v1/completions"
+        self.tokens = tokens
+        self.events: list[str] = []
+        self.started = threading.Event()
+        self.first_at = self.ended_at = 0.0
+
+    def run(self) -> None:
+        body = {
+            "model": MODEL, "prompt": "Tell me a long story about a lighthouse keeper.",
+            "max_tokens": self.tokens, "min_tokens": self.tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        timeout = httpx.Timeout(CLIENT_TIMEOUT_SECONDS, connect=10)
+        with httpx.stream("POST", self.url, json=body, timeout=timeout) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line.removeprefix("data: "))
+                    if not self.started.is_set():
+                        self.first_at = time.monotonic()
+                        self.started.set()
+        self.ended_at = time.monotonic()
+
+    def check_whole(self) -> None:
+        assert self.events[-1:] == ["[DONE]"], self.events[-3:]
+        last = json.loads(self.events[-2])
+        assert "error" not in last and last["usage"]["completion_tokens"] == self.tokens, last
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second."""
+        return self.tokens / (self.ended_at - self.first_at)
+
+
+def test_changes_under_steady_load_fail_no_request_and_scale_down_spares_the_busy_replica(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess, gateway: GatewayProcess
+) -> None:
+    began = time.monotonic()
+    cluster.apply(*pool_documents(), namespace=namespace)
+    pods = wait_for("two replicas ready", lambda: settled(cluster, namespace, 2), START_SECONDS, 1)
+
+    def ready_status() -> dict[str, Any] | None:
+        status = pool_status(cluster, namespace)
+        return status if pool_ready(status) else None
+
+    status = wait_for("the pool Ready", ready_status, 60, 1)
+    first_digest = status["pinnedDigest"]
+    wait_for("the gateway serving the pool", lambda: gateway.complete("Hi", MODEL)[0] == 200, 60, 1)
+    print(f"\npool of {pods} serving after {time.monotonic() - began:.0f}s")
+
+    load = Load(gateway.url)
+    drift_seen: list[Any] = []
+    rows: list[tuple[str, float, dict[str, float]]] = []
+
+    def watched(probe: Callable[[], Any]) -> Callable[[], Any]:
+        """``probe``, noting any drift the operator reports meanwhile (a rollout is not drift)."""
+
+        def check() -> Any:
+            drift = pool_status(cluster, namespace).get("drift")
+            if drift:
+                drift_seen.append(drift)
+            return probe()
+
+        return check
+
+    def phase(name: str, change: Callable[[], None], done: Callable[[], list[str] | None]) -> None:
+        """Switch the load to phase ``name``, make the change, wait until the pool has settled
+        and every replica left has served in this phase."""
+        before = gateway_counts(gateway)
+        load.start(name)
+        started = time.monotonic()
+        change()
+        replicas = wait_for(f"{name}: the pool settled", watched(done), CHANGE_SECONDS, 1)
+
+        def served() -> bool:
+            got = grew(before, gateway_counts(gateway))
+            return load.count(name) >= MIN_REQUESTS and all(got.get(p) for p in replicas)
+
+        wait_for(f"{name}: every replica {replicas} serving", served, 60, 0.5)
+        rows.append((name, time.monotonic() - started, grew(before, gateway_counts(gateway))))
+
+    with ThreadPoolExecutor(CLIENTS + 1) as executor:
+        clients = [executor.submit(load.run, client) for client in range(CLIENTS)]
+        try:
+            phase("steady", lambda: None, lambda: settled(cluster, namespace, 2))
+
+            def pinned() -> list[str] | None:
+                digest = pool_status(cluster, namespace).get("pinnedDigest")
+                if digest == first_digest:
+                    return None
+                return settled(cluster, namespace, 2, digest)
+
+            change = {"maxModelLen": LONG_MODEL_LEN}
+            phase("pinned change", lambda: patch_spec(cluster, namespace, change), pinned)
+            phase(
+                "scale-down 2->1",
+                lambda: patch_spec(cluster, namespace, {"replicas": 1}),
+                lambda: settled(cluster, namespace, 1),
+            )
+            phase(
+                "scale-up 1->2",
+                lambda: patch_spec(cluster, namespace, {"replicas": 2}),
+                lambda: settled(cluster, namespace, 2),
+            )
+
+            victim = pool_pods(cluster, namespace)[0]["metadata"]["name"]
+            phase(
+                "deleted pod",
+                lambda: cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false"),
+                lambda: (p := settled(cluster, namespace, 2)) and victim not in p and p,
+            )
+
+            evicted, other = (p["metadata"]["name"] for p in pool_pods(cluster, namespace))
+            wait_for(
+                "the PDB to allow one disruption",
+                lambda: disruptions_allowed(cluster, namespace) == 1,
+                60,
+                1,
+            )
+            refused: list[str] = []
+
+            def eviction() -> None:
+                code, output = evict(cluster, namespace, evicted)
+                assert code == 0, f"eviction of {evicted} refused: {output}"
+                # The budget is spent until the replacement is Ready: the next one is refused.
+                code, output = evict(cluster, namespace, other)
+                assert code != 0, f"a second eviction ({other}) was allowed beside {evicted}"
+                refused.append(output.strip())
+
+            phase(
+                "eviction",
+                eviction,
+                lambda: (p := settled(cluster, namespace, 2)) and evicted not in p and p,
+            )
+            assert "disruption budget" in refused[0], refused
+        finally:
+            load.stop()
+            for client in clients:
+                client.result(timeout=CLIENT_TIMEOUT_SECONDS + 30)
+            print(f"\n{table(load, rows)}")
+            print("(retried: sent to a second replica; errors: upstream errors the gateway saw)")
+
+    report = table(load, rows)
+    failures = "\n".join(load.failures[:20])
+    assert not load.failures and sum(load.failed.values()) == 0, f"\n{report}\n{failures}"
+    assert all(load.ok[name] >= MIN_REQUESTS for name, _, _ in rows), report
+    assert drift_seen == [], f"drift reported during the changes: {drift_seen}"
+
+    # --- Scale-down under uneven load: the idle replica goes, the busy one and its work stay.
+    pods = settled(cluster, namespace, 2)
+    assert pods is not None
+    # Without deletion costs the ReplicaSet removes the replica Ready for the shortest time,
+    # the newest: that is the one kept busy.
+    busy, idle = pods[1], pods[0]
+    long = Generation(cluster, namespace, busy, LONG_TOKENS)
+    with ThreadPoolExecutor(1) as executor:
+        generation = executor.submit(long.run)
+        assert long.started.wait(60), "the long generation did not start"
+        scaled_at = time.monotonic()
+        patch_spec(cluster, namespace, {"replicas": 1})
+        survivors = wait_for(
+            "scale-down to one replica", watched(lambda: settled(cluster, namespace, 1)), 120, 1
+        )
+        running = not generation.done()
+        annotations = cluster.get("pod", busy, "-n", namespace)["metadata"].get("annotations", {})
+        cost = annotations.get(DELETION_COST)
+        generation.result(timeout=CLIENT_TIMEOUT_SECONDS)
+    print(
+        f"scale-down under uneven load: kept {survivors}, removed {idle} after"
+        f" {time.monotonic() - scaled_at:.0f}s; the busy replica's generation"
+        f" {'was still running then' if running else 'had ended by then'}; its deletion cost {cost}"
+    )
+    assert survivors == [busy], f"the busy replica {busy} was removed, the idle {idle} kept"
+    long.check_whole()
+    assert drift_seen == [], f"drift reported during the scale-down: {drift_seen}"
+
+    # --- A rollout replaces the only replica while it generates for longer than the old grace
+    # period: the drain lets the generation finish; the gateway holds what the pool gets
+    # meanwhile until the new replica is Ready.
+    tokens = min(LONG_MODEL_LEN - 64, math.ceil(long.rate * LONG_SECONDS))
+    print(f"{long.rate:.1f} tokens/s: the next generation asks {tokens} tokens")
+    longer = Generation(cluster, namespace, busy, tokens)
+    load = Load(gateway.url)
+    rows = []
+    terminating: list[float] = []
+    name = "rollout of 1"
+    with ThreadPoolExecutor(CLIENTS + 1) as executor:
+        generation = executor.submit(longer.run)
+        assert longer.started.wait(60), "the longer generation did not start"
+        clients = [executor.submit(load.run, client) for client in range(CLIENTS)]
+        try:
+            wait_for("load on the replica", lambda: load.count("steady") >= CLIENTS, 60, 0.5)
+
+            def roll() -> None:
+                patch_spec(cluster, namespace, {"maxModelLen": LONG_MODEL_LEN + 128})
+                wait_for(
+                    f"{busy} terminating",
+                    lambda: cluster.get("pod", busy, "-n", namespace)["metadata"].get(
+                        "deletionTimestamp"
+                    ),
+                    60,
+                    0.5,
+                )
+                terminating.append(time.monotonic())
+
+            def replaced() -> list[str] | None:
+                """The new replica, once Ready (the old one drains on meanwhile)."""
+                pods = pool_pods(cluster, namespace)
+                new = [p for p in pods if p["metadata"]["name"] != busy and pod_ready(p)]
+                return [new[0]["metadata"]["name"]] if len(new) == 1 == len(pods) - 1 else None
+
+            phase(name, roll, replaced)
+        finally:
+            load.stop()
+            for client in clients:
+                client.result(timeout=CLIENT_TIMEOUT_SECONDS + 30)
+            print(f"\n{table(load, rows)}")
+        generation.result(timeout=DRAIN_SECONDS)
+    # The old replica exits once its drain is over, well before its grace period ends.
+    wait_for(f"{busy} gone", watched(lambda: settled(cluster, namespace, 1)), 60, 0.5)
+    after = longer.ended_at - terminating[0]
+    print(
+        f"a generation of {tokens} tokens ({longer.ended_at - longer.first_at:.0f}s) ended"
+        f" {after:.0f}s after its replica began terminating"
+    )
+    longer.check_whole()
+    failures = "\n".join(load.failures[:20])
+    assert not load.failures, f"\n{table(load, rows)}\n{failures}"
+    assert after > OLD_GRACE_SECONDS, f"the generation ended {after:.0f}s into the drain"
+    assert drift_seen == [], f"drift reported during the rollout: {drift_seen}"
+    print(f"whole test {time.monotonic() - began:.0f}s")
