@@ -8,7 +8,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -17,18 +17,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmpool.engine.server.http import error_response, openai_endpoint, read_body
-from llmpool.engine.server.protocol import APIError, bad_request, parse_json_body
+from llmpool.engine.server.http import error_response, openai_endpoint
+from llmpool.engine.server.protocol import APIError, bad_request
+from llmpool.fleet_key import FleetKey
 from llmpool.gateway import routing
+from llmpool.gateway.budget import RETRY_AFTER_SECONDS, RequestBudget, unavailable
 from llmpool.gateway.demand import DemandReporter, DemandWriter
+from llmpool.gateway.limits import TenantLimiter
 from llmpool.gateway.load import LoadTracker, scrape_forever
 from llmpool.gateway.metrics import GatewayMetrics
 from llmpool.gateway.pools import Pool, PoolTable, Replica
 from llmpool.gateway.proxy import RelayResponse, UpstreamFailed, open_response, wait_for_disconnect
+from llmpool.gateway.request import RequestFacts, read_facts
+from llmpool.gateway.tenants import KeyRing, Tenant
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_SECONDS = "1"
 # Probe an idle upstream connection after 30 s, every 10 s, and give up after 3 misses: a
 # replica gone without a FIN or RST fails its streams within about a minute. (Linux names;
 # elsewhere, e.g. a developer's macOS, the system's keepalive timing applies.)
@@ -39,13 +43,21 @@ KEEPALIVE = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)] + [
 ]
 
 
+MIB = 1024 * 1024
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
-    api_key: str | None = None
+    api_key: str | None = None  # the one-key mode (tenants.KeyRing); None and no Secrets: open
+    # The key each pool's engines require (llmpool.fleet_key); no file: open engines.
+    fleet_key: FleetKey = field(default_factory=lambda: FleetKey(None))
     prefix_chars: int = routing.DEFAULT_PREFIX_CHARS
     load_factor: float = routing.DEFAULT_LOAD_FACTOR
     hold_timeout: float = 30.0  # how long a request waits for a pool without ready replicas
     max_held: int = 256  # requests held per pool at most; more are a 503 at once
+    # Requests in progress and request-body bytes held, gateway-wide; beyond, a 503 at once.
+    max_requests: int = 1024
+    max_body_bytes: int = 128 * MIB
     connect_timeout: float = 2.0
     scrape_interval: float = 1.0
     scrape_timeout: float = 2.0
@@ -55,15 +67,12 @@ class GatewaySettings:
     max_table_age: float = 90.0
 
 
-def _unavailable(message: str, code: str) -> APIError:
-    return APIError(
-        503, message, type="service_unavailable", code=code,
-        headers={"Retry-After": RETRY_AFTER_SECONDS},
-    )  # fmt: skip
+class ClientGone(Exception):
+    """The client disconnected while its request waited: nobody is left to answer."""
 
 
 class Gateway:
-    """Holds the table, the load tracker and the upstream client; one method per route."""
+    """Holds the table, the keys, the limits and the upstream client; one method per route."""
 
     def __init__(
         self,
@@ -71,11 +80,17 @@ class Gateway:
         settings: GatewaySettings,
         background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
         demand_writer: DemandWriter | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self.table = table
         self.settings = settings
+        self.keys = keys or KeyRing(settings.api_key)
+        self.budget = RequestBudget(settings.max_requests, settings.max_body_bytes)
+        self.limiter = TenantLimiter()
         self.tracker = LoadTracker()
         self.metrics = GatewayMetrics()
+        self.metrics.buffered_body_bytes.set_function(lambda: self.budget.body_bytes)
+        self.metrics.requests_in_progress.set_function(lambda: self.budget.requests)
         self.demand = DemandReporter(table, self.tracker, demand_writer) if demand_writer else None
         self.background = [*background, *([self.demand.run] if self.demand else [])]
         # No read timeout (a queued request is legitimately silent), so TCP keepalive is what
@@ -119,26 +134,103 @@ class Gateway:
         ]
 
     def _openai(
-        self, handler: Callable[[Request], Awaitable[Response]]
+        self, handler: Callable[[Request, Tenant], Awaitable[Response]]
     ) -> Callable[[Request], Awaitable[Response]]:
+        """``handler`` for the caller's tenant (a 401 without a key it knows), every failure
+        answered as an OpenAI error and counted, by tenant once known."""
+
+        async def authenticated(request: Request) -> Response:
+            tenant = self.keys.authenticate(request.headers.get("authorization"))
+            try:
+                return await handler(request, tenant)
+            except APIError as error:
+                outcome = error.code or error.type
+                self.metrics.tenant_requests.labels(tenant=tenant.name, outcome=outcome).inc()
+                raise
+
         def rejected(error: APIError) -> None:
             self.metrics.rejected.labels(reason=error.code or error.type).inc()
 
-        return openai_endpoint(handler, self.settings.api_key, rejected)
+        return openai_endpoint(authenticated, None, rejected)
 
     # --- generation ---------------------------------------------------------------------------
 
-    async def completions(self, request: Request) -> Response:
-        return await self._route(request, "/v1/completions")
+    async def completions(self, request: Request, tenant: Tenant) -> Response:
+        return await self._route(request, tenant, "/v1/completions")
 
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._route(request, "/v1/chat/completions")
+    async def chat_completions(self, request: Request, tenant: Tenant) -> Response:
+        return await self._route(request, tenant, "/v1/chat/completions")
 
-    async def _route(self, request: Request, path: str) -> Response:
-        raw = await read_body(request)
-        body = parse_json_body(raw)
-        pool = self._pool_for(body, request.headers.get("x-llmpool-priority"))
-        key = routing.prefix_key(routing.prompt_text(body), self.settings.prefix_chars)
+    async def _route(self, request: Request, tenant: Tenant, path: str) -> Response:
+        """Admit (gateway bounds, then the tenant's limits), route and relay. What was counted
+        in is counted out when the relayed response ends, or at once on any other answer."""
+        releases = [self.budget.admit()]
+
+        def finish() -> None:
+            for release in releases:
+                release()
+
+        try:
+            raw, release_body = await self.budget.read_body(request)
+            try:
+                facts = read_facts(raw, path, self.settings.prefix_chars)
+                pool = self._pool_for(facts, tenant, request.headers.get("x-llmpool-priority"))
+                releases.append(self.limiter.admit(tenant.name, tenant.limits, facts.cost))
+                releases.append(self._count_in(tenant, facts))
+                response = await self._forward(request, tenant, pool, facts, path, raw, finish)
+            finally:
+                del raw  # the body's last reference here: once the upstream has it, it is gone
+                release_body()
+        except ClientGone:
+            finish()
+            return Response(status_code=499)  # nobody reads this
+        except BaseException:
+            finish()
+            raise
+        if not isinstance(response, RelayResponse):
+            finish()
+        return response
+
+    def _count_in(self, tenant: Tenant, facts: RequestFacts) -> Callable[[], None]:
+        self.metrics.tenant_requests.labels(tenant=tenant.name, outcome="admitted").inc()
+        self.metrics.tenant_tokens.labels(tenant=tenant.name).inc(facts.cost)
+        in_flight = self.metrics.tenant_in_flight.labels(tenant=tenant.name)
+        in_flight.inc()
+        return in_flight.dec
+
+    async def _forward(
+        self,
+        request: Request,
+        tenant: Tenant,
+        pool: Pool,
+        facts: RequestFacts,
+        path: str,
+        raw: bytes,
+        finish: Callable[[], None],
+    ) -> Response:
+        """The response of a replica of ``pool``, retried once on another; ``finish`` runs when
+        a relayed response ends. Raises ClientGone when the client leaves first."""
+        # One watcher of the client for the whole wait: a held request whose client left is
+        # dropped at once, and stops counting as demand.
+        disconnected = asyncio.ensure_future(wait_for_disconnect(request.receive))
+        try:
+            return await self._attempts(
+                request, tenant, pool, facts, path, raw, finish, disconnected
+            )
+        finally:
+            disconnected.cancel()
+
+    async def _attempts(
+        self,
+        request: Request,
+        tenant: Tenant,
+        pool: Pool,
+        facts: RequestFacts,
+        path: str,
+        raw: bytes,
+        finish: Callable[[], None],
+        disconnected: asyncio.Future[None],
+    ) -> Response:
         # One hold budget for both attempts: a request refused by the only replica (it drains)
         # waits for the replica replacing it rather than failing.
         deadline = time.monotonic() + self.settings.hold_timeout
@@ -146,7 +238,9 @@ class Gateway:
         failure: UpstreamFailed | None = None
         for attempt in range(2):
             try:
-                pool, decision = await self._pick(pool, key, tried, deadline)
+                pool, decision = await self._pick(
+                    pool, tenant, facts.prefix_key, tried, deadline, disconnected
+                )
             except APIError:
                 if failure is None:
                     raise
@@ -157,10 +251,10 @@ class Gateway:
             self.metrics.requests.labels(decision=reason, **labels).inc()
             self.tracker.begin(replica)
             self.metrics.in_flight.labels(**labels).inc()
-            done, broken = self._finishers(replica, labels)
+            done, broken = self._finishers(replica, labels, finish)
             try:
                 upstream = await self._open_unless_disconnected(
-                    request, f"{replica.url}{path}", raw
+                    f"{replica.url}{path}", raw, request, pool, disconnected
                 )
             except UpstreamFailed as error:
                 done()
@@ -172,21 +266,20 @@ class Gateway:
             except BaseException:
                 done()
                 raise
-            if upstream is None:
-                done()
-                return Response(status_code=499)  # the client is gone; nobody reads this
             return RelayResponse(upstream, done, broken)
         assert failure is not None
         return self._failed(failure)
 
     def _finishers(
-        self, replica: Replica, labels: dict[str, str]
+        self, replica: Replica, labels: dict[str, str], finish: Callable[[], None]
     ) -> tuple[Callable[[], None], Callable[[str], None]]:
-        """What runs when a response to ``replica`` ends, and when its stream breaks."""
+        """What runs when a response from ``replica`` ends (``finish`` too, when it was relayed:
+        ``_route`` runs it for the rest), and when its stream breaks."""
 
         def done() -> None:
             self.tracker.end(replica)
             self.metrics.in_flight.labels(**labels).dec()
+            finish()
 
         def broken(detail: str) -> None:
             logger.warning("stream from %s broke: %s", replica.name, detail)
@@ -194,28 +287,33 @@ class Gateway:
 
         return done, broken
 
-    def _pool_for(self, body: dict[str, Any], header: str | None) -> Pool:
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise bad_request("model must be a string naming a served model", param="model")
-        pools = self.table.pools_serving(model)
-        if not pools:
-            served = ", ".join(self.table.served_models()) or "none"
-            raise APIError(
-                404, f"the model {model!r} does not exist; served models: {served}",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+    def _pool_for(self, facts: RequestFacts, tenant: Tenant, header: str | None) -> Pool:
+        """Among the pools the tenant may use: those ``model`` names (a pool it may not use is
+        as absent as one that does not exist), then the one of the requested class."""
+        visible = [pool for pool in self.table.pools() if tenant.may_use(pool)]
         try:
-            wanted = routing.requested_class(body.get("priority"), header)
+            pools = routing.pools_named(visible, facts.model)
+        except routing.RoutingError as error:
+            raise APIError(error.status, str(error), param="model", code=error.code) from None
+        try:
+            wanted = routing.requested_class(facts.priority, header)
         except routing.RoutingError as error:
             raise bad_request(str(error), param="priority", code=error.code) from None
         return routing.choose_pool(pools, wanted)
 
     async def _pick(
-        self, pool: Pool, key: bytes, tried: set[str], deadline: float
+        self,
+        pool: Pool,
+        tenant: Tenant,
+        key: bytes,
+        tried: set[str],
+        deadline: float,
+        disconnected: asyncio.Future[None],
     ) -> tuple[Pool, routing.Decision]:
         """A replica not tried yet, waiting until ``deadline`` (monotonic) for one to appear."""
         while True:
+            if disconnected.done():
+                raise ClientGone
             pool = self.table.pool(pool.key) or pool
             started = time.perf_counter()
             candidates = [
@@ -228,48 +326,66 @@ class Gateway:
             except routing.RoutingError as error:
                 remaining = deadline - time.monotonic()
                 if error.code != routing.NO_READY_REPLICA or remaining <= 0:
-                    raise _unavailable(str(error), error.code) from None
+                    raise unavailable(str(error), error.code) from None
                 if self.tracker.held_count(pool) >= self.settings.max_held:
-                    raise _unavailable(
+                    raise unavailable(
                         f"{self.settings.max_held} requests already wait for a replica of"
                         f" {pool.label}", "hold_queue_full",
                     ) from None  # fmt: skip
-                await self._hold(pool, remaining)
+                await self._hold(pool, tenant, remaining, disconnected)
                 continue
             decision = routing.choose_replica(key, healthy, load_factor=self.settings.load_factor)
             self.metrics.routing_latency.observe(time.perf_counter() - started)
             return pool, decision
 
-    async def _hold(self, pool: Pool, timeout: float) -> None:
-        """Wait until the table changes (a replica may have appeared), at most ``timeout``."""
-        gauge = self.metrics.held_requests.labels(pool=pool.label)
-        gauge.inc()
-        try:
-            with self.tracker.held(pool), contextlib.suppress(TimeoutError):
-                if self.demand is not None:
-                    self.demand.poke()
-                await asyncio.wait_for(self.table.wait_for_change(), timeout)
-        finally:
-            gauge.dec()
+    async def _hold(
+        self, pool: Pool, tenant: Tenant, timeout: float, disconnected: asyncio.Future[None]
+    ) -> None:
+        """Wait until the table changes (a replica may have appeared) or the client leaves, at
+        most ``timeout``. Counted as the pool's demand, and against the tenant's held limit."""
+        gauges = (
+            self.metrics.held_requests.labels(pool=pool.label),
+            self.metrics.tenant_held.labels(tenant=tenant.name),
+        )
+        with self.limiter.held(tenant.name, tenant.limits), self.tracker.held(pool):
+            for gauge in gauges:
+                gauge.inc()
+            if self.demand is not None:
+                self.demand.poke()
+            changed = asyncio.ensure_future(self.table.wait_for_change())
+            try:
+                await asyncio.wait({changed, disconnected}, timeout=timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            finally:
+                changed.cancel()
+                for gauge in gauges:
+                    gauge.dec()
 
-    async def _open_unless_disconnected(self, request: Request, url: str, body: bytes) -> Any:
-        """The upstream response once its head arrives, or None if the client left first.
+    async def _open_unless_disconnected(
+        self,
+        url: str,
+        body: bytes,
+        request: Request,
+        pool: Pool,
+        disconnected: asyncio.Future[None],
+    ) -> Any:
+        """The upstream response once its head arrives; ClientGone if the client left first.
 
         A non-streaming response's head comes only when generation is done, so the wait can be
         long; cancelling it closes the upstream connection, and the engine aborts.
         """
-        opening = asyncio.ensure_future(open_response(self.client, url, body, request.headers))
-        watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
-        try:
-            await asyncio.wait({opening, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
+        engine_key = self.settings.fleet_key.engine_key(pool.namespace, pool.name)
+        opening: asyncio.Future[Any] = asyncio.ensure_future(
+            open_response(self.client, url, body, request.headers, engine_key)
+        )
+        waiting: set[asyncio.Future[Any]] = {opening, disconnected}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if opening.done():
             return opening.result()
         opening.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await opening
-        return None
+        raise ClientGone
 
     def _failed(self, failure: UpstreamFailed) -> Response:
         """Both attempts failed (or no other replica was left): the last failure, for the client."""
@@ -286,15 +402,16 @@ class Gateway:
             )
         self.metrics.rejected.labels(reason="upstream_unreachable").inc()
         return error_response(
-            _unavailable(f"no replica could take the request: {failure}", "upstream_unreachable")
+            unavailable(f"no replica could take the request: {failure}", "upstream_unreachable")
         )
 
     # --- the rest -----------------------------------------------------------------------------
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, request: Request, tenant: Tenant) -> Response:
+        visible = [pool for pool in self.table.pools() if tenant.may_use(pool)]
         data = [
             {"id": name, "object": "model", "created": self._created, "owned_by": "llmpool"}
-            for name in self.table.served_models()
+            for name in routing.model_ids(visible)
         ]
         return JSONResponse({"object": "list", "data": data})
 
@@ -323,10 +440,12 @@ def build_app(
     settings: GatewaySettings,
     background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
     demand_writer: DemandWriter | None = None,
+    keys: KeyRing | None = None,
 ) -> Starlette:
     """``background``: coroutines that run for the app's life (the Kubernetes watches);
-    ``demand_writer``: where held requests are recorded for the autoscaler (none: nowhere)."""
-    gateway = Gateway(table, settings, background, demand_writer)
+    ``demand_writer``: where held requests are recorded for the autoscaler (none: nowhere);
+    ``keys``: the API keys (none: ``settings.api_key`` alone, or open without one)."""
+    gateway = Gateway(table, settings, background, demand_writer, keys)
     app = Starlette(routes=gateway.routes(), lifespan=gateway.lifespan)
     app.state.gateway = gateway
     return app

@@ -8,11 +8,14 @@ import os
 
 import uvicorn
 
+from llmpool.engine.server.http import MAX_BODY_BYTES
+from llmpool.fleet_key import FleetKey
 from llmpool.gateway import routing
-from llmpool.gateway.app import GatewaySettings, build_app
+from llmpool.gateway.app import MIB, GatewaySettings, build_app
 from llmpool.gateway.demand import annotate
 from llmpool.gateway.pools import PoolTable
-from llmpool.gateway.watch import TableWatcher, resources
+from llmpool.gateway.tenants import KeyRing
+from llmpool.gateway.watch import TableWatcher, key_secrets, resources
 from llmpool.operator.kube import load_credentials
 
 DEFAULT_PORT = 8080
@@ -35,8 +38,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("LLMPOOL_GATEWAY_API_KEY"),
-        help="require 'Authorization: Bearer KEY' [env LLMPOOL_GATEWAY_API_KEY]; the header"
-        " is passed on to the engines either way",
+        help="accept 'Authorization: Bearer KEY' for every watched pool [env"
+        " LLMPOOL_GATEWAY_API_KEY]; without it and --api-key-namespace, anyone may call (open)",
+    )
+    parser.add_argument(
+        "--api-key-namespace",
+        help="accept the keys of the Secrets labelled llmpool.dev/api-key=true in this"
+        " namespace, each for its tenant's scope and limits (watched: rotation needs no restart)",
+    )
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=GatewaySettings.max_requests,
+        help="requests in progress at once, gateway-wide; beyond, a 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--max-buffered-body-mib",
+        type=int,
+        default=GatewaySettings.max_body_bytes // MIB,
+        help="request-body MiB held at once, gateway-wide, until each response begins;"
+        " beyond, a 503 with Retry-After (at least 16: one body of the largest size)",
     )
     parser.add_argument(
         "--prefix-chars",
@@ -95,8 +116,18 @@ def settings_from(args: argparse.Namespace) -> GatewaySettings:
         raise ValueError("--hold-timeout and --max-held must be >= 0 and --scrape-interval > 0")
     if args.max_table_age <= 0:
         raise ValueError(f"--max-table-age must be positive, got {args.max_table_age}")
+    if args.max_requests < 1:
+        raise ValueError(f"--max-requests must be at least 1, got {args.max_requests}")
+    if args.max_buffered_body_mib * MIB < MAX_BODY_BYTES:
+        raise ValueError(
+            f"--max-buffered-body-mib must be at least {MAX_BODY_BYTES // MIB} (one body of the"
+            f" largest size), got {args.max_buffered_body_mib}"
+        )
     return GatewaySettings(
         api_key=args.api_key,
+        fleet_key=FleetKey.from_env(),
+        max_requests=args.max_requests,
+        max_body_bytes=args.max_buffered_body_mib * MIB,
         prefix_chars=args.prefix_chars,
         load_factor=args.load_factor,
         hold_timeout=args.hold_timeout,
@@ -119,12 +150,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     load_credentials()
     table = PoolTable()
-    watcher = TableWatcher(table, resources(args.namespace))
+    watched = resources(args.namespace)
+    keys = KeyRing(settings.api_key, from_secrets=args.api_key_namespace is not None)
+    if args.api_key_namespace is not None:
+        watched.append(key_secrets(args.api_key_namespace))
+    logger.info(
+        "callers: %s",
+        "open (no API key)" if keys.open
+        else f"tenants of namespace {args.api_key_namespace}" if args.api_key_namespace
+        else "one API key",
+    )  # fmt: skip
+    watcher = TableWatcher(table, watched, keys)
     app = build_app(
         table,
         settings,
         background=[watcher.run],
         demand_writer=annotate if args.demand_annotation else None,
+        keys=keys,
     )
     # No access log: request lines are fine, but this gateway never logs anything of a body.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

@@ -59,5 +59,43 @@ class GatewayMetrics:
             registry=registry,
         )
 
+        self.requests_in_progress = Gauge(
+            "llmpool_gateway:requests_in_progress",
+            "Requests admitted and not yet answered to the end (bounded by --max-requests).",
+            registry=registry,
+        )
+        self.buffered_body_bytes = Gauge(
+            "llmpool_gateway:buffered_body_bytes",
+            "Request-body bytes held until a replica's response begins (bounded by"
+            " --max-buffered-body-mib).",
+            registry=registry,
+        )
+        # Per tenant: the tenant's name (from its key's Secret), never a key.
+        self.tenant_requests = Counter(
+            "llmpool_gateway:tenant_requests",
+            "Requests of each tenant by outcome: admitted, or the error code that refused it.",
+            ["tenant", "outcome"],
+            registry=registry,
+        )
+        self.tenant_tokens = Counter(
+            "llmpool_gateway:tenant_estimated_tokens",
+            "Tokens counted against each tenant at admission: body bytes / 4 + choices ×"
+            " max_tokens.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.tenant_in_flight = Gauge(
+            "llmpool_gateway:tenant_in_flight_requests",
+            "Each tenant's admitted requests not yet answered to the end.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.tenant_held = Gauge(
+            "llmpool_gateway:tenant_held_requests",
+            "Each tenant's requests waiting for a pool to have a ready replica.",
+            ["tenant"],
+            registry=registry,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

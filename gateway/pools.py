@@ -182,15 +182,6 @@ class PoolTable:
     def pools(self) -> list[Pool]:
         return sorted(self._pools.values(), key=lambda p: p.key)
 
-    def pools_serving(self, model: str) -> list[Pool]:
-        return [p for p in self.pools() if p.served_name == model]
-
-    def served_models(self) -> list[str]:
-        """Served names of the pools that are Ready or come up on demand, each once."""
-        return sorted(
-            {p.served_name for p in self._pools.values() if p.ready or p.scales_from_zero}
-        )
-
     def replicas(self, pool: Pool) -> list[Replica]:
         """Ready replicas behind the pool's Service, each once, in a stable order."""
         service = naming.service_name(pool.name)

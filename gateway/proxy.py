@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import httpx
 from starlette.responses import Response
@@ -13,7 +13,9 @@ from starlette.types import Receive, Scope, Send
 from llmpool.engine.server.protocol import APIError
 
 # What a client sends that the engine needs, and what the engine answers that a client needs.
-REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+# Never the client's Authorization: its key is the gateway's business; the engine gets the
+# pool's engine key instead.
+REQUEST_HEADERS = ("content-type", "accept", "x-request-id")
 RESPONSE_HEADERS = ("content-type", "cache-control", "retry-after", "x-request-id")
 
 
@@ -27,11 +29,21 @@ class UpstreamFailed(Exception):
 
 
 async def open_response(
-    client: httpx.AsyncClient, url: str, body: bytes, headers: Mapping[str, str]
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    engine_key: str | None = None,
 ) -> httpx.Response:
-    """POST and wait for the response head; a failure before it raises ``UpstreamFailed``."""
+    """POST with ``engine_key`` as the bearer token (None: none) and wait for the response
+    head; a failure before it raises ``UpstreamFailed``."""
     forwarded = {name: headers[name] for name in REQUEST_HEADERS if name in headers}
-    request = client.build_request("POST", url, content=body, headers=forwarded)
+    forwarded["content-length"] = str(len(body))
+    if engine_key is not None:
+        forwarded["authorization"] = f"Bearer {engine_key}"
+    # As a generator, so that the request keeps no reference to the body once it is sent: a
+    # long stream then holds none of it.
+    request = client.build_request("POST", url, content=_once(body), headers=forwarded)
     try:
         response = await client.send(request, stream=True)
     except (httpx.ConnectError, httpx.ConnectTimeout) as error:
@@ -45,6 +57,10 @@ async def open_response(
         await response.aclose()
         raise UpstreamFailed("unavailable", "the replica answered 503", response)
     return response
+
+
+async def _once(body: bytes) -> AsyncIterator[bytes]:
+    yield body
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

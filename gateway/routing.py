@@ -31,6 +31,8 @@ AFFINITY = "affinity"  # the key's first-ranked replica
 SPILL = "spill"  # the first-ranked replica was at its bound: least-loaded instead
 RETRY = "retry"  # another replica after a connect error or a 503 before the first byte
 
+MODEL_NOT_FOUND = "model_not_found"
+MODEL_AMBIGUOUS = "model_ambiguous"
 NO_READY_REPLICA = "no_ready_replica"
 REPLICAS_DRIFTED = "replicas_drifted"
 
@@ -88,6 +90,51 @@ def requested_class(body_priority: Any, header: str | None) -> str | None:
         ) from None
     fitting = [name for name, rank in PRIORITY_CLASSES.items() if rank <= number]
     return max(fitting, key=PRIORITY_CLASSES.__getitem__) if fitting else DEFAULT_PRIORITY_CLASS
+
+
+def pools_named(pools: Sequence[Pool], model: str) -> list[Pool]:
+    """The pools, among those the caller may use, that ``model`` names: by served name, or as
+    ``namespace/servedName``. Pools of one namespace may share a served name (one per priority
+    class); pools of two namespaces sharing one make the bare name ambiguous: a 400 naming the
+    qualified names, never a winner picked by sort order.
+    """
+    named = [p for p in pools if p.served_name == model]
+    if not named and "/" in model:
+        namespace, served_name = model.split("/", 1)
+        named = [p for p in pools if (p.namespace, p.served_name) == (namespace, served_name)]
+    if not named:
+        served = ", ".join(model_ids(pools)) or "none"
+        raise RoutingError(
+            404, f"the model {model!r} does not exist; served models: {served}", MODEL_NOT_FOUND
+        )
+    namespaces = sorted({p.namespace for p in named})
+    if len(namespaces) > 1:
+        qualified = ", ".join(f"{namespace}/{model}" for namespace in namespaces)
+        raise RoutingError(
+            400,
+            f"the model {model!r} is served in {len(namespaces)} namespaces; name one: {qualified}",
+            MODEL_AMBIGUOUS,
+        )
+    return named
+
+
+def model_ids(pools: Sequence[Pool]) -> list[str]:
+    """The ids ``/v1/models`` lists for ``pools`` (those the caller may use): the served name of
+    each pool that is Ready or comes up on demand, once; a served name claimed in several
+    namespaces is listed as ``namespace/servedName`` for each instead, the ids that work."""
+    namespaces: dict[str, set[str]] = {}
+    for pool in pools:
+        namespaces.setdefault(pool.served_name, set()).add(pool.namespace)
+    listed = {
+        pool.served_name if len(namespaces[pool.served_name]) == 1 else pool_model_id(pool)
+        for pool in pools
+        if pool.ready or pool.scales_from_zero
+    }
+    return sorted(listed)
+
+
+def pool_model_id(pool: Pool) -> str:
+    return f"{pool.namespace}/{pool.served_name}"
 
 
 def choose_pool(pools: Sequence[Pool], wanted: str | None) -> Pool:

@@ -27,6 +27,7 @@ import urllib3
 from kubernetes.client import ApiException
 
 from llmpool.gateway.pools import SERVICE_NAME_LABEL, Pool, PoolTable, pool_from_object
+from llmpool.gateway.tenants import API_KEY_SELECTOR, KeyRing
 from llmpool.operator import naming
 
 logger = logging.getLogger(__name__)
@@ -82,12 +83,25 @@ def resources(namespaces: Sequence[str]) -> list[Resource]:
     return found
 
 
-class TableWatcher:
-    """Feeds a PoolTable from list-watch loops; marks it synced once every first list is in."""
+def key_secrets(namespace: str) -> Resource:
+    """The API key Secrets of one namespace (the gateway's own), by their label."""
+    core = kubernetes.client.CoreV1Api()
+    return Resource(
+        "secrets", namespace, core.list_namespaced_secret, (namespace,),
+        {"label_selector": API_KEY_SELECTOR},
+    )  # fmt: skip
 
-    def __init__(self, table: PoolTable, watched: Sequence[Resource]) -> None:
+
+class TableWatcher:
+    """Feeds a PoolTable (and a KeyRing, when Secrets are watched) from list-watch loops; marks
+    the table synced once every first list is in, so no request is judged on half a picture."""
+
+    def __init__(
+        self, table: PoolTable, watched: Sequence[Resource], keys: KeyRing | None = None
+    ) -> None:
         self.table = table
         self.watched = watched
+        self.keys = keys
         self._unsynced = set(range(len(watched)))
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -168,6 +182,9 @@ class TableWatcher:
         self.table.heard_from(index)
         if resource.kind == "pools":
             self.table.reset_pools(resource.namespace, _pools(items))
+        elif resource.kind == "secrets":
+            assert self.keys is not None
+            self.keys.reset_secrets(items)
         else:
             self.table.reset_slices(resource.namespace, items)
         self._unsynced.discard(index)
@@ -185,6 +202,12 @@ class TableWatcher:
             else:
                 for pool in _pools([obj]):
                     self.table.set_pool(pool)
+        elif resource.kind == "secrets":
+            assert self.keys is not None
+            if kind == "DELETED":
+                self.keys.delete_secret(metadata["name"])
+            else:
+                self.keys.set_secret(obj)
         elif kind == "DELETED":
             self.table.delete_slice(key)
         else:

@@ -121,7 +121,7 @@ def test_an_unknown_model_is_an_openai_404(chat_table, start_gateway) -> None:
     assert metrics['llmpool_gateway:rejected_requests_total{reason="model_not_found"}'] == 1
 
 
-def test_the_gateway_api_key_is_checked_and_passed_on(chat_table, start_gateway) -> None:
+def test_the_gateway_api_key_is_checked(chat_table, start_gateway) -> None:
     gateway = start_gateway(chat_table, GatewaySettings(api_key="s3cret", scrape_interval=3600))
     with pytest.raises(openai.AuthenticationError):
         client(gateway.url, api_key="wrong").completions.create(model=MODEL, prompt=PROMPT)

@@ -70,7 +70,7 @@ def test_replicas_are_the_ready_endpoints_of_the_pools_service(make_slice) -> No
     )
     table.set_slice(make_slice("other-service", "s2", [("pod-z", "10.9.9.9", True)]))
     table.set_slice(make_slice(service, "s3", [("pod-q", "10.1.0.8", True)], namespace="team-b"))
-    (pool,) = table.pools_serving("smollm2")
+    (pool,) = table.pools()
     assert table.replicas(pool) == [
         Replica("pod-a", "http://10.1.0.5:8000"),
         Replica("pod-c", "http://[fd00::7]:8000"),
@@ -79,17 +79,16 @@ def test_replicas_are_the_ready_endpoints_of_the_pools_service(make_slice) -> No
     assert table.replicas(pool) == []
 
 
-def test_served_models_lists_ready_pools_once_and_relists_replace() -> None:
+def test_relists_replace_a_namespace_s_pools() -> None:
     table = PoolTable()
     interactive = pool_from_object(example_pool("smollm2-interactive.yaml", **READY))
     batch = pool_from_object(example_pool("smollm2-batch.yaml"))
     other = pool_from_object(example_pool("smollm2-interactive.yaml", "team-b", **READY))
     table.reset_pools(None, [interactive, batch, other])
-    assert table.served_models() == ["smollm2"]  # batch is not Ready; team-b's is the same name
     table.reset_pools("team-a", [batch])
     assert [p.key for p in table.pools()] == [("team-a", "smollm2-batch"), other.key]
     table.delete_pool(other.key)
-    assert table.served_models() == []
+    assert table.pools() == [batch]
 
 
 ENGINE_METRICS = """\
