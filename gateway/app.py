@@ -28,7 +28,7 @@ from llmpool.gateway.load import LoadTracker, scrape_forever
 from llmpool.gateway.metrics import GatewayMetrics
 from llmpool.gateway.pools import Pool, PoolTable, Replica
 from llmpool.gateway.proxy import RelayResponse, UpstreamFailed, open_response, wait_for_disconnect
-from llmpool.gateway.request import RequestFacts, read_facts
+from llmpool.gateway.request import RequestFacts, read_facts, with_model
 from llmpool.gateway.tenants import KeyRing, Tenant
 
 logger = logging.getLogger(__name__)
@@ -177,6 +177,8 @@ class Gateway:
                 pool = self._pool_for(facts, tenant, request.headers.get("x-llmpool-priority"))
                 releases.append(self.limiter.admit(tenant.name, tenant.limits, facts.cost))
                 releases.append(self._count_in(tenant, facts))
+                if facts.model != pool.served_name:  # named as namespace/servedName
+                    raw = with_model(raw, pool.served_name)
                 response = await self._forward(request, tenant, pool, facts, path, raw, finish)
             finally:
                 del raw  # the body's last reference here: once the upstream has it, it is gone

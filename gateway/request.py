@@ -6,6 +6,7 @@ bytes (which are forwarded) and nothing more.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,14 @@ def read_facts(raw: bytes, path: str, prefix_chars: int) -> RequestFacts:
         max_tokens=max_tokens,
         body_bytes=len(raw),
     )
+
+
+def with_model(raw: bytes, model: str) -> bytes:
+    """The body with ``model`` as its model: an engine knows its served name, not the
+    ``namespace/servedName`` a caller may qualify it with."""
+    body = parse_json_body(raw)
+    body["model"] = model
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _is_batch(prompt: list[Any]) -> bool:

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,11 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmpool.fleet_key import pool_engine_key
 from llmpool.gateway.app import Gateway, GatewaySettings, build_app
 from llmpool.gateway.demand import DemandWriter
 from llmpool.gateway.pools import PoolTable
+from llmpool.gateway.tenants import KeyRing
 from llmpool.operator import naming
 
 _spec = importlib.util.spec_from_file_location(
@@ -34,6 +37,10 @@ sys.modules[_spec.name] = server_fixtures  # its dataclasses look their module u
 _spec.loader.exec_module(server_fixtures)
 
 GATEWAY_START_TIMEOUT_S = 30
+FLEET_KEY = b"a fleet key for tests"
+# Two pools in two namespaces, one served name: each served by a real engine that requires
+# its pool's engine key (``keyed_engines``).
+KEYED_POOLS = (("team-a", "chat"), ("team-b", "chat"))
 
 
 def endpoint_slice(
@@ -115,9 +122,12 @@ def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
         table: PoolTable,
         settings: GatewaySettings | None = None,
         demand_writer: DemandWriter | None = None,
+        keys: KeyRing | None = None,
     ) -> RunningGateway:
         table.synced = True
-        app = build_app(table, settings or GatewaySettings(), demand_writer=demand_writer)
+        app = build_app(
+            table, settings or GatewaySettings(), demand_writer=demand_writer, keys=keys
+        )
         port = server_fixtures.free_port()
         server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
@@ -156,3 +166,32 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
     for server in servers:
         if server.process.poll() is None:
             server.terminate()
+
+
+@pytest.fixture(scope="session")
+def keyed_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str], Any]]:
+    """A real engine per pool of ``KEYED_POOLS``, each with ``--api-key`` its pool's engine key
+    derived from ``FLEET_KEY``, as the operator starts them."""
+    folder = tmp_path_factory.mktemp("keyed")
+
+    def start(namespace: str, pool: str) -> Any:
+        args = [
+            "--max-model-len", "512", "--max-num-seqs", "8", "--kv-cache-memory", "32MiB",
+            "--no-access-log", "--api-key", pool_engine_key(FLEET_KEY, namespace, pool),
+        ]  # fmt: skip
+        return server_fixtures.start_server(args, folder / f"{namespace}-{pool}.log")
+
+    with ThreadPoolExecutor(len(KEYED_POOLS)) as executor:  # both load at once
+        started = [executor.submit(start, *key) for key in KEYED_POOLS]
+        engines = dict(zip(KEYED_POOLS, (future.result() for future in started), strict=True))
+    yield engines
+    for engine in engines.values():
+        if engine.process.poll() is None:
+            engine.terminate()
+
+
+@pytest.fixture(scope="session")
+def fleet_key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("fleet") / "fleet-key"
+    path.write_bytes(FLEET_KEY + b"\n")
+    return path

@@ -1,0 +1,275 @@
+"""Tenants through the gateway, in front of real engines that require their pool's engine key.
+
+Two pools in two namespaces serve one name, each by its own `llmpool serve --api-key`; keys are
+Secrets as the API server returns them, fed to the gateway's KeyRing as its watch does; calls
+go through the official openai client.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from llmpool.fleet_key import FleetKey
+from llmpool.gateway.app import GatewaySettings
+from llmpool.gateway.pools import Pool, PoolTable
+from llmpool.gateway.tenants import KeyRing
+
+MODEL = "smollm2-135m-instruct"  # what `llmpool serve` serves without --served-model-name
+PROMPT = "The capital of France is"
+
+
+def secret(name: str, **data: str) -> dict[str, Any]:
+    """A key Secret as the API server returns it (``max_held`` for the field ``max-held``)."""
+    encoded = {k.replace("_", "-"): base64.b64encode(v.encode()).decode() for k, v in data.items()}
+    return {"metadata": {"name": name, "namespace": "llmpool-system"}, "data": encoded}
+
+
+def pool(namespace: str, name: str = "chat", served_name: str = MODEL, **fields: Any) -> Pool:
+    values: dict[str, Any] = {
+        "namespace": namespace, "name": name, "served_name": served_name,
+        "priority_class": "interactive", "ready": True, "pinned_digest": None,
+        "drifted": frozenset(),
+    }  # fmt: skip
+    return Pool(**{**values, **fields})
+
+
+def client(url: str, api_key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def tenancy(make_slice, keyed_engines, fleet_key_file: Path, start_gateway) -> Callable[..., Any]:
+    """A gateway over team-a/chat and team-b/chat (the keyed engines), team-b/private (a model
+    only team-b has) and team-a/idle (scales from zero, no replica); keys from ``secrets``."""
+
+    def start(*secrets: dict[str, Any], hold_timeout: float = 30.0) -> Any:
+        table = PoolTable()
+        for (namespace, name), engine in keyed_engines.items():
+            table.set_pool(pool(namespace, name))
+            endpoints = [(f"{namespace}-{name}-0", "127.0.0.1", True)]
+            table.set_slice(
+                make_slice(name, name, endpoints, namespace=namespace, port=engine.port)
+            )
+        table.set_pool(pool("team-b", "private", served_name="private-model"))
+        table.set_pool(pool("team-a", "idle", served_name="idle", scales_from_zero=True))
+        keys = KeyRing(from_secrets=True)
+        keys.reset_secrets(secrets)
+        settings = GatewaySettings(
+            fleet_key=FleetKey(fleet_key_file), scrape_interval=3600, hold_timeout=hold_timeout
+        )
+        return start_gateway(table, settings, keys=keys)
+
+    return start
+
+
+TEAM_A = secret("team-a", api_key="key-a", scope="team-a")
+TEAM_B = secret("team-b", api_key="key-b", scope="team-b")
+ADMIN = secret("admin", api_key="key-admin", scope="*")
+
+
+def sent_to_pools(gateway: Any) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for key, value in gateway.metrics().items():
+        if key.startswith("llmpool_gateway:requests_total{"):
+            label = key.split('pool="', 1)[1].split('"', 1)[0]
+            totals[label] = totals.get(label, 0.0) + value
+    return totals
+
+
+def test_each_key_reaches_only_its_own_pool(tenancy, keyed_engines, fleet_key_file) -> None:
+    gateway = tenancy(TEAM_A, TEAM_B)
+    for team, key in (("team-a", "key-a"), ("team-b", "key-b")):
+        before = sent_to_pools(gateway).get(f"{team}/chat", 0)
+        answer = client(gateway.url, key).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2
+        )
+        assert answer.choices[0].text
+        assert sent_to_pools(gateway)[f"{team}/chat"] == before + 1
+    assert [m.id for m in client(gateway.url, "key-a").models.list().data] == ["idle", MODEL]
+    listed = [m.id for m in client(gateway.url, "key-b").models.list().data]
+    assert listed == ["private-model", MODEL]
+
+    # A model of another tenant answers exactly as one that does not exist.
+    answers = {}
+    for model in ("private-model", "team-b/private-model", "team-b/" + MODEL, "no-such-model"):
+        with pytest.raises(openai.NotFoundError) as error:
+            client(gateway.url, "key-a").completions.create(model=model, prompt=PROMPT)
+        body = error.value.body
+        assert isinstance(body, dict) and body["code"] == "model_not_found"
+        answers[model] = body["message"].replace(repr(model), "MODEL")
+    assert len(set(answers.values())) == 1, answers
+
+    # The engines take only their pool's key: not a tenant's, not another pool's; so the
+    # gateway sent each its own, and not the caller's.
+    fleet = FleetKey(fleet_key_file)
+    for pool_key, engine in keyed_engines.items():
+        (other,) = set(keyed_engines) - {pool_key}
+        for key in (None, "key-a", fleet.engine_key(*other)):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            direct = httpx.post(
+                f"{engine.url}/v1/completions",
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1},
+                headers=headers,
+                timeout=30,
+            )
+            assert direct.status_code == 401, direct.text
+
+
+def test_no_key_or_a_wrong_key_is_401(tenancy) -> None:
+    gateway = tenancy(TEAM_A)
+    for key in ("wrong", "key-b"):
+        with pytest.raises(openai.AuthenticationError) as error:
+            client(gateway.url, key).completions.create(model=MODEL, prompt=PROMPT)
+        assert error.value.code == "invalid_api_key"
+    for headers in ({}, {"Authorization": "Basic key-a"}):
+        answer = httpx.get(f"{gateway.url}/v1/models", headers=headers, timeout=10)
+        assert answer.status_code == 401
+        assert answer.json()["error"]["code"] == "invalid_api_key"
+    assert (
+        gateway.metrics()['llmpool_gateway:rejected_requests_total{reason="invalid_api_key"}'] == 4
+    )
+
+
+def test_a_name_claimed_in_two_visible_namespaces_is_ambiguous_until_qualified(tenancy) -> None:
+    gateway = tenancy(ADMIN)
+    admin = client(gateway.url, "key-admin")
+    listed = [m.id for m in admin.models.list().data]
+    assert listed == ["idle", "private-model", f"team-a/{MODEL}", f"team-b/{MODEL}"]
+    with pytest.raises(openai.BadRequestError) as error:
+        admin.completions.create(model=MODEL, prompt=PROMPT)
+    body = error.value.body
+    assert isinstance(body, dict) and body["code"] == "model_ambiguous"
+    assert f"team-a/{MODEL}" in body["message"] and f"team-b/{MODEL}" in body["message"]
+    for team in ("team-b", "team-a"):
+        before = sent_to_pools(gateway).get(f"{team}/chat", 0)
+        admin.completions.create(model=f"{team}/{MODEL}", prompt=PROMPT, max_tokens=1)
+        assert sent_to_pools(gateway)[f"{team}/chat"] == before + 1
+
+
+def test_a_rotated_key_works_at_once_and_the_old_one_no_more(tenancy) -> None:
+    gateway = tenancy(TEAM_A)
+    rotated = secret("team-a", api_key="key-a-2", scope="team-a")
+    gateway.call(gateway.gateway.keys.set_secret, rotated)
+    deadline = time.monotonic() + 10
+    while (
+        httpx.get(
+            f"{gateway.url}/v1/models", headers={"Authorization": "Bearer key-a-2"}
+        ).status_code
+        != 200
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(openai.AuthenticationError):
+        client(gateway.url, "key-a").models.list()
+    gateway.call(gateway.gateway.keys.delete_secret, "team-a")
+    time.sleep(0.2)
+    with pytest.raises(openai.AuthenticationError):
+        client(gateway.url, "key-a-2").models.list()
+
+
+def test_requests_and_tokens_per_minute_give_429_with_retry_after(tenancy) -> None:
+    limited = secret("team-a", api_key="key-a", scope="team-a", requests_per_minute="2")
+    tokens = secret("team-b", api_key="key-b", scope="team-b", tokens_per_minute="1000")
+    gateway = tenancy(limited, tokens)
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+        a = {"Authorization": "Bearer key-a"}
+        assert [
+            http.post("/v1/completions", json=body, headers=a).status_code for _ in range(2)
+        ] == [200, 200]
+        refused = http.post("/v1/completions", json=body, headers=a)
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert refused.json()["error"]["type"] == "requests"
+        assert 1 <= int(refused.headers["retry-after"]) <= 30  # one request refills in 30 s
+
+        # n × max_tokens counts: 128 choices of 16 tokens are more than the minute allows.
+        b = {"Authorization": "Bearer key-b"}
+        fan_out = http.post("/v1/completions", json={**body, "n": 128, "max_tokens": 16}, headers=b)
+        assert fan_out.status_code == 429 and fan_out.json()["error"]["type"] == "tokens"
+        # Tokens are counted at admission: a request the engine refuses (more than its 512
+        # tokens of context) still spends 600 of the minute's 1,000, so a second is a 429.
+        spent = http.post("/v1/completions", json={**body, "max_tokens": 600}, headers=b)
+        assert spent.json()["error"]["code"] == "context_length_exceeded"
+        over = http.post("/v1/completions", json={**body, "max_tokens": 600}, headers=b)
+        assert over.status_code == 429 and over.json()["error"]["type"] == "tokens"
+        assert 10 <= int(over.headers["retry-after"]) <= 60
+    metrics = gateway.metrics()
+    outcome = 'llmpool_gateway:tenant_requests_total{outcome="%s",tenant="%s"}'
+    assert metrics[outcome % ("admitted", "team-a")] == 2
+    assert metrics[outcome % ("rate_limit_exceeded", "team-a")] == 1
+    assert metrics[outcome % ("rate_limit_exceeded", "team-b")] == 2
+    assert not any("key-" in name for name in metrics)  # tenants by name, never by key
+
+
+def test_concurrent_requests_over_the_limit_are_429(tenancy) -> None:
+    gateway = tenancy(secret("team-a", api_key="key-a", scope="team-a", max_concurrent="1"))
+    a = {"Authorization": "Bearer key-a"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body, headers=a) as streaming:
+            assert streaming.status_code == 200
+            next(streaming.iter_lines())
+            second = http.post("/v1/completions", json={**body, "stream": False}, headers=a)
+            assert second.status_code == 429
+            assert second.json()["error"]["type"] == "concurrent_requests"
+        # The stream's end (the client left) gives its slot back.
+        deadline = time.monotonic() + 10
+        while (
+            http.post(
+                "/v1/completions", json={**body, "max_tokens": 1, "stream": False}, headers=a
+            ).status_code
+            != 200
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+def test_held_requests_are_limited_per_tenant_and_dropped_when_the_client_leaves(
+    tenancy,
+) -> None:
+    gateway = tenancy(
+        secret("team-a", api_key="key-a", scope="team-a", max_held="1"), hold_timeout=60
+    )
+    idle = next(p for p in gateway.gateway.table.pools() if p.name == "idle")
+    tracker = gateway.gateway.tracker
+    a = {"Authorization": "Bearer key-a"}
+    # n: 128 is one held request, not 128, for the autoscaler.
+    body = {"model": "idle", "prompt": PROMPT, "max_tokens": 1, "n": 128}
+
+    def wait_held(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while tracker.held_count(idle) != count:
+            assert time.monotonic() < deadline, tracker.held_count(idle)
+            time.sleep(0.05)
+
+    with httpx.Client(base_url=gateway.url, timeout=httpx.Timeout(60, read=1.5)) as http:
+        thread = threading.Thread(
+            target=lambda: _post_until_read_timeout(http, body, a), daemon=True
+        )
+        thread.start()
+        wait_held(1)
+        with httpx.Client(base_url=gateway.url, timeout=10) as other:
+            refused = other.post("/v1/completions", json=body, headers=a)
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "held_requests"
+        thread.join(timeout=10)  # the client gave up after 1.5 s and closed its connection
+    left_at = time.monotonic()
+    wait_held(0)
+    assert time.monotonic() - left_at < 5  # long before the 60 s hold timeout
+    assert gateway.metrics()['llmpool_gateway:tenant_held_requests{tenant="team-a"}'] == 0
+
+
+def _post_until_read_timeout(
+    http: httpx.Client, body: dict[str, Any], headers: dict[str, str]
+) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body, headers=headers)
