@@ -31,7 +31,11 @@ EXPECTED_RULES = [
     {"apiGroups": [naming.GROUP], "resources": [naming.PLURAL], "verbs": [*READ, "patch"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": READ},
 ]
-DEFAULT_ARGS = ["gateway", "--port=8080", "--hold-timeout=120", "--max-held=256"]
+DEFAULT_ARGS = [
+    "gateway", "--port=8080", "--hold-timeout=120", "--max-held=256", "--max-requests=1024",
+    "--max-buffered-body-mib=128",
+]  # fmt: skip
+FLEET_KEY_DIR = "/var/run/secrets/llmpool/fleet-key"
 
 
 def gateway_objects(**values: Any) -> dict[str, list[dict[str, Any]]]:
@@ -147,12 +151,81 @@ def test_disabled_renders_no_gateway_and_rbac_off_renders_no_rules() -> None:
     assert kinds == {"ServiceAccount", "Service", "PodDisruptionBudget", "Deployment"}
 
 
+def container_env(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_open_by_default_with_the_fleet_key_mounted_read_only() -> None:
+    objects = gateway_objects()
+    (deployment,) = objects["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container_env(deployment) == {"LLMPOOL_FLEET_KEY_FILE": f"{FLEET_KEY_DIR}/fleet-key"}
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == FLEET_KEY_DIR]
+    assert mount["readOnly"] is True
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert volumes[mount["name"]]["secret"]["secretName"] == f"{RELEASE}-llmpool-fleet-key"
+    # Open: no key and no permission on Secrets.
+    assert not any(
+        "secrets" in rule["resources"]
+        for kind in ("Role", "ClusterRole")
+        for role in objects.get(kind, [])
+        for rule in role["rules"]
+    )
+
+
+def test_one_api_key_from_a_secret() -> None:
+    (deployment,) = gateway_objects(gateway={"enabled": True, "apiKeySecret": "gateway-key"})[
+        "Deployment"
+    ]
+    assert container_env(deployment)["LLMPOOL_GATEWAY_API_KEY"] == {
+        "secretKeyRef": {"name": "gateway-key", "key": "api-key"}
+    }
+
+
+def test_tenancy_reads_key_secrets_of_the_release_namespace_only() -> None:
+    objects = gateway_objects(
+        gateway={"enabled": True, "tenancy": {"enabled": True}}, watchNamespaces=["team-a"]
+    )
+    (deployment,) = objects["Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--api-key-namespace={NAMESPACE}" in args
+    secret_roles = [
+        role for role in objects["Role"] if any("secrets" in r["resources"] for r in role["rules"])
+    ]
+    (role,) = secret_roles
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": READ}]
+    (binding,) = [
+        b for b in objects["RoleBinding"] if b["roleRef"]["name"] == role["metadata"]["name"]
+    ]
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": GATEWAY, "namespace": NAMESPACE}
+    ]
+    # Cluster-wide, too, the Secrets are a Role of the release namespace, never a ClusterRole.
+    clusterwide = gateway_objects(gateway={"enabled": True, "tenancy": {"enabled": True}})
+    assert all("secrets" not in r["resources"] for r in clusterwide["ClusterRole"][0]["rules"])
+    assert [r["metadata"]["namespace"] for r in clusterwide["Role"]] == [NAMESPACE]
+
+
+def test_bounds_follow_the_values() -> None:
+    (deployment,) = gateway_objects(
+        gateway={"enabled": True, "maxRequests": 64, "maxBufferedBodyMiB": 32}
+    )["Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--max-requests=64" in args and "--max-buffered-body-mib=32" in args
+
+
 @pytest.mark.parametrize(
     "bad",
     [
         ["--set-json", 'gateway.replicas="two"'],
         ["--set", "gateway.port=9000"],
         ["--set-json", 'gateway.resources={"requests": {}, "cpu": 1}'],
+        ["--set", "gateway.maxBufferedBodyMiB=8"],
+        ["--set", "gateway.tenancy.on=true"],
     ],
 )
 def test_the_schema_rejects_bad_gateway_values(bad: list[str]) -> None:
