@@ -21,7 +21,7 @@ from llmpool.engine.server.http import error_response, openai_endpoint
 from llmpool.engine.server.protocol import APIError, bad_request
 from llmpool.fleet_key import FleetKey
 from llmpool.gateway import routing
-from llmpool.gateway.budget import RETRY_AFTER_SECONDS, RequestBudget, unavailable
+from llmpool.gateway.budget import RETRY_AFTER_SECONDS, RequestBudget, once, unavailable
 from llmpool.gateway.demand import DemandReporter, DemandWriter
 from llmpool.gateway.limits import TenantLimiter
 from llmpool.gateway.load import LoadTracker, scrape_forever
@@ -65,6 +65,14 @@ class GatewaySettings:
     # table that silently stopped following the pools must not keep taking traffic. (Watches
     # end every 30 s and are re-listed on failure every 2 s; this is several of those.)
     max_table_age: float = 90.0
+
+
+def _in_turn(*actions: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        for action in actions:
+            action()
+
+    return run
 
 
 class ClientGone(Exception):
@@ -166,6 +174,7 @@ class Gateway:
         in is counted out when the relayed response ends, or at once on any other answer."""
         releases = [self.budget.admit()]
 
+        @once
         def finish() -> None:
             for release in releases:
                 release()
@@ -253,7 +262,7 @@ class Gateway:
             self.metrics.requests.labels(decision=reason, **labels).inc()
             self.tracker.begin(replica)
             self.metrics.in_flight.labels(**labels).inc()
-            done, broken = self._finishers(replica, labels, finish)
+            done, broken = self._finishers(replica, labels)
             try:
                 upstream = await self._open_unless_disconnected(
                     f"{replica.url}{path}", raw, request, pool, disconnected
@@ -268,20 +277,18 @@ class Gateway:
             except BaseException:
                 done()
                 raise
-            return RelayResponse(upstream, done, broken)
+            return RelayResponse(upstream, _in_turn(done, finish), broken)
         assert failure is not None
         return self._failed(failure)
 
     def _finishers(
-        self, replica: Replica, labels: dict[str, str], finish: Callable[[], None]
+        self, replica: Replica, labels: dict[str, str]
     ) -> tuple[Callable[[], None], Callable[[str], None]]:
-        """What runs when a response from ``replica`` ends (``finish`` too, when it was relayed:
-        ``_route`` runs it for the rest), and when its stream breaks."""
+        """What runs when a response from ``replica`` ends, and when its stream breaks."""
 
         def done() -> None:
             self.tracker.end(replica)
             self.metrics.in_flight.labels(**labels).dec()
-            finish()
 
         def broken(detail: str) -> None:
             logger.warning("stream from %s broke: %s", replica.name, detail)
