@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmpool.engine.server.protocol import APIError
 from llmpool.gateway.budget import once
@@ -66,27 +66,26 @@ class _Usage:
     tokens: TokenBucket | None
     in_flight: int = 0
     held: int = 0
-    limits: TenantLimits = field(default_factory=TenantLimits)
 
 
 class TenantLimiter:
-    """Admits a tenant's requests against its limits; changed only on the event loop's thread."""
+    """Admits a tenant's requests against its limits; changed only on the event loop's thread.
+
+    Counters are kept per tenant and limits: a Secret whose limits change starts afresh, and
+    keys of one tenant given different limits count apart (so alternating them resets nothing).
+    """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._usage: dict[str, _Usage] = {}
+        self._usage: dict[tuple[str, TenantLimits], _Usage] = {}
 
     def _usage_of(self, tenant: str, limits: TenantLimits) -> _Usage:
-        usage = self._usage.get(tenant)
-        if usage is None or usage.limits != limits:  # first request, or the Secret changed
+        usage = self._usage.get((tenant, limits))
+        if usage is None:
             usage = _Usage(
-                requests=self._bucket(limits.requests_per_minute),
-                tokens=self._bucket(limits.tokens_per_minute),
-                in_flight=usage.in_flight if usage else 0,
-                held=usage.held if usage else 0,
-                limits=limits,
+                self._bucket(limits.requests_per_minute), self._bucket(limits.tokens_per_minute)
             )
-            self._usage[tenant] = usage
+            self._usage[(tenant, limits)] = usage
         return usage
 
     def _bucket(self, per_minute: int | None) -> TokenBucket | None:
@@ -122,7 +121,7 @@ class TenantLimiter:
         usage.in_flight += 1
 
         def release() -> None:
-            self._usage[tenant].in_flight -= 1
+            usage.in_flight -= 1
 
         return once(release)
 
@@ -140,4 +139,4 @@ class TenantLimiter:
         try:
             yield
         finally:
-            self._usage[tenant].held -= 1
+            usage.held -= 1

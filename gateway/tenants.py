@@ -19,8 +19,8 @@ Three modes:
   ``tokens-per-minute``         tokens estimated at admission (``RequestFacts.cost``)
   ``max-held``                  requests waiting for a pool without a ready replica
 
-  Keys of one tenant share its counters. A Secret that cannot be read is skipped and logged by
-  name. ``--api-key`` may be given too: a key for every watched pool, beside the tenants'.
+  Keys of one tenant with the same limits share its counters. A Secret that cannot be read
+  is skipped and logged by name. ``--api-key`` may be given too: a key for every watched pool, beside the tenants'.
 
 Keys, prompts and completions are never logged.
 """
@@ -147,6 +147,3 @@ class KeyRing:
 
     def _rebuild(self) -> None:
         self._keys = {**dict(self._secrets.values()), **self._static}
-
-    def tenants(self) -> list[str]:
-        return sorted({tenant.name for tenant in self._keys.values()})

@@ -212,26 +212,35 @@ def test_requests_and_tokens_per_minute_give_429_with_retry_after(tenancy) -> No
 
 
 def test_concurrent_requests_over_the_limit_are_429(tenancy) -> None:
-    gateway = tenancy(secret("team-a", api_key="key-a", scope="team-a", max_concurrent="1"))
+    """A request counts from admission to the end of its answer; here one held for a pool
+    without a replica, so that it lasts as long as its client waits."""
+    gateway = tenancy(
+        secret("team-a", api_key="key-a", scope="team-a", max_concurrent="1"), hold_timeout=60
+    )
     a = {"Authorization": "Bearer key-a"}
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=gateway.url, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=body, headers=a) as streaming:
-            assert streaming.status_code == 200
-            next(streaming.iter_lines())
-            second = http.post("/v1/completions", json={**body, "stream": False}, headers=a)
-            assert second.status_code == 429
-            assert second.json()["error"]["type"] == "concurrent_requests"
-        # The stream's end (the client left) gives its slot back.
-        deadline = time.monotonic() + 10
-        while (
-            http.post(
-                "/v1/completions", json={**body, "max_tokens": 1, "stream": False}, headers=a
-            ).status_code
-            != 200
-        ):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    in_flight = 'llmpool_gateway:tenant_in_flight_requests{tenant="team-a"}'
+    with httpx.Client(base_url=gateway.url, timeout=httpx.Timeout(60, read=1.5)) as waiting:
+        held = {"model": "idle", "prompt": PROMPT, "max_tokens": 1}
+        thread = threading.Thread(target=_post_until_read_timeout, args=(waiting, held, a))
+        thread.start()
+        _wait_until(lambda: gateway.metrics().get(in_flight) == 1)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+        second = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=a, timeout=60)
+        assert second.status_code == 429, second.text
+        assert second.json()["error"]["type"] == "concurrent_requests"
+        thread.join(timeout=10)  # the first client gave up and left: its slot comes back
+    _wait_until(lambda: gateway.metrics().get(in_flight) == 0)
+    assert (
+        httpx.post(f"{gateway.url}/v1/completions", json=body, headers=a, timeout=60).status_code
+        == 200
+    )
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def test_held_requests_are_limited_per_tenant_and_dropped_when_the_client_leaves(
@@ -247,10 +256,7 @@ def test_held_requests_are_limited_per_tenant_and_dropped_when_the_client_leaves
     body = {"model": "idle", "prompt": PROMPT, "max_tokens": 1, "n": 128}
 
     def wait_held(count: int) -> None:
-        deadline = time.monotonic() + 10
-        while tracker.held_count(idle) != count:
-            assert time.monotonic() < deadline, tracker.held_count(idle)
-            time.sleep(0.05)
+        _wait_until(lambda: tracker.held_count(idle) == count)
 
     with httpx.Client(base_url=gateway.url, timeout=httpx.Timeout(60, read=1.5)) as http:
         thread = threading.Thread(
