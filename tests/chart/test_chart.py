@@ -276,7 +276,7 @@ def test_the_charts_rbac_data_file_is_generated_from_operator_rbac_py() -> None:
     assert data == rbac.chart_data()
 
 
-@pytest.mark.parametrize("name", ["llmpool.yaml", "kopf-peering.yaml"])
+@pytest.mark.parametrize("name", ["llmpool.yaml", "llmpooldemand.yaml", "kopf-peering.yaml"])
 def test_the_charts_crds_are_identical_to_crds(name: str) -> None:
     assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes()
 

@@ -19,7 +19,7 @@ import pytest
 from kopf._core.engines import posting
 from kubernetes.client import ApiException
 
-from llmpool.load import DEMAND_ANNOTATION, Demand
+from llmpool.load import Demand
 from llmpool.operator import admission, handlers, kube
 from llmpool.operator.children import ChildView, child_view
 
@@ -48,6 +48,8 @@ class FakeApi:
         self.hold_deployment: asyncio.Event | None = None  # set: the next Deployment apply waits
         self.held = asyncio.Event()
         self.reject: dict[str, str] = {}  # kind -> the API server's message
+        self.existing: dict[str, dict[str, Any]] = {}  # "Kind/name" -> metadata of others' objects
+        self.demand_patches: list[dict[str, Any]] = []
 
     async def read_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.pool)
@@ -62,6 +64,16 @@ class FakeApi:
             self.held.set()
             await gate.wait()
         self.writes.append((obj["kind"], copy.deepcopy(obj)))
+
+    async def read_metadata(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        key = f"{kind}/{name}"
+        if key in self.existing:
+            return copy.deepcopy(self.existing[key])
+        view = self.children().get(key)
+        return copy.deepcopy(dict(view.body["metadata"])) if view is not None else None
+
+    async def patch_demand_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.demand_patches.append(copy.deepcopy(patch))
 
     async def patch_pool_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         status = self.pool.setdefault("status", {})
@@ -94,7 +106,15 @@ def api(chat_pool, chat_template, monkeypatch) -> FakeApi:
     pool = copy.deepcopy(chat_pool)
     pool["metadata"].update(namespace=NAMESPACE, uid=UID, generation=1)
     fake = FakeApi(pool, chat_template)
-    for name in ("read_pool", "apply", "patch_pool_status", "read_configmap_key", "annotate_pod"):
+    for name in (
+        "read_pool",
+        "apply",
+        "patch_pool_status",
+        "read_configmap_key",
+        "annotate_pod",
+        "read_metadata",
+        "patch_demand_status",
+    ):
         monkeypatch.setattr(kube, name, getattr(fake, name))
     return fake
 
@@ -122,7 +142,13 @@ def max_model_len(deployment: dict[str, Any]) -> str:
     return str(args[args.index("--max-model-len") + 1])
 
 
-async def converge(api: FakeApi, memo: kopf.Memo, observed: bool = True) -> None:
+async def converge(
+    api: FakeApi,
+    memo: kopf.Memo,
+    observed: bool = True,
+    demand: dict[str, Demand] | None = None,
+    claims: dict[str, list[tuple[str, str]]] | None = None,
+) -> None:
     """One pass of the handler or the timer (they call the same function)."""
     children = api.children() if observed else {}
     await handlers.converge(
@@ -130,7 +156,13 @@ async def converge(api: FakeApi, memo: kopf.Memo, observed: bool = True) -> None
         name=api.pool["metadata"]["name"],
         uid=UID,
         memo=memo,
-        observed=handlers.Observed(pods=[], deployment=None, children=children),
+        observed=handlers.Observed(
+            pods=[],
+            deployment=None,
+            children=children,
+            demand=demand or {},
+            served_name_claims=claims or {},
+        ),
     )
 
 
@@ -176,6 +208,7 @@ async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkey
         "ConfigMap",
         "Service",
         "PodDisruptionBudget",
+        "LLMPoolDemand",
         "Deployment",
         "status",
     }
@@ -286,9 +319,7 @@ async def test_an_autoscaled_pool_scales_from_zero_on_demand_without_a_restore_w
     reasons(events)
 
     # A gateway holds two requests for the pool: the next pass scales to one at once.
-    held = Demand(held=2, at=time.time()).to_annotation()
-    api.pool["metadata"].setdefault("annotations", {})[DEMAND_ANNOTATION] = held
-    await converge(api, memo)
+    await converge(api, memo, demand={"gateway-a": Demand(held=2, at=time.time())})
     assert [d["spec"]["replicas"] for d in api.deployments()] == [0, 1]
     status = api.pool["status"]["autoscaling"]
     assert (status["desiredReplicas"], status["reason"]) == (1, "ScaledFromZero")
