@@ -8,6 +8,7 @@ real, its queue read back here. The e2e suite runs the same paths against a real
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import logging
@@ -19,7 +20,8 @@ import pytest
 from kopf._core.engines import posting
 from kubernetes.client import ApiException
 
-from llmpool.load import Demand
+from llmpool.fleet_key import FleetKey, pool_engine_key
+from llmpool.load import DEMAND_PRUNE_SECONDS, Demand
 from llmpool.operator import admission, handlers, kube
 from llmpool.operator.children import ChildView, child_view
 
@@ -379,3 +381,94 @@ async def test_a_scale_down_first_marks_the_idle_replica_cheapest_to_delete(
     await converge_with(costs)
     pods_written = [obj for kind, obj in api.writes[written:] if kind == "Pod"]
     assert pods_written == [{"name": "idle", "annotations": {cost: "2"}}]
+
+
+async def test_a_keyed_pool_gets_its_secret_before_its_deployment(api, tmp_path, monkeypatch):
+    events = capture_events()
+    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    key_file = tmp_path / "fleet-key"
+    key_file.write_text("fleet")
+    memo = kopf.Memo(fleet_key=FleetKey(key_file))
+    await converge(api, memo)
+    kinds = [kind for kind, _ in api.writes if kind != "status"]
+    assert kinds.index("Secret") < kinds.index("Deployment")
+    (secret,) = [obj for kind, obj in api.writes if kind == "Secret"]
+    key = pool_engine_key(b"fleet", NAMESPACE, "smollm2-chat")
+    assert base64.b64decode(secret["data"]["api-key"]).decode() == key
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert key not in json.dumps(api.deployments()) + json.dumps(api.pool["status"])
+    assert all(key not in event.message for event in drain(events))
+
+    # Edited by hand: restored, and the Event names the field, never the key.
+    live = api.children()
+    edited = copy.deepcopy(dict(live["Secret/smollm2-chat-engine-key"].body))
+    edited["data"]["api-key"] = base64.b64encode(b"guessed").decode()
+    live["Secret/smollm2-chat-engine-key"] = ChildView("Secret", "smollm2-chat-engine-key", edited)
+    written = len(api.writes)
+    await handlers.converge(
+        namespace=NAMESPACE,
+        name="smollm2-chat",
+        uid=UID,
+        memo=memo,
+        observed=handlers.Observed(pods=[], deployment=None, children=live),
+    )
+    assert [kind for kind, _ in api.writes[written:] if kind != "status"] == ["Secret"]
+    (restored,) = drain(events)
+    assert restored.reason == "SecretRestored" and ".data.api-key" in restored.message
+    assert key not in restored.message
+
+
+async def test_an_object_of_a_childs_name_that_is_not_the_pools_blocks_every_child(api):
+    events = capture_events()
+    api.existing["Service/smollm2-chat"] = {"name": "smollm2-chat", "labels": {"team": "web"}}
+    memo = kopf.Memo()
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes] == ["status"]  # nothing applied, nothing half-applied
+    degraded = next(c for c in api.pool["status"]["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "OwnershipConflict")
+    assert "Service smollm2-chat already exists" in degraded["message"]
+    assert degraded["observedGeneration"] == 1
+    assert reasons(events) == ["OwnershipConflict"]
+
+    # Checked again every pass, without a new Event; once the object is gone, the pool converges.
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes].count("Service") == 0
+    assert reasons(events) == []
+    del api.existing["Service/smollm2-chat"]
+    await converge(api, memo)
+    assert "Service" in [kind for kind, _ in api.writes]
+    degraded = next(c for c in api.pool["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"
+
+
+async def test_a_served_name_claimed_in_another_namespace_is_reported_on_the_pool(api):
+    events = capture_events()
+    memo = kopf.Memo()
+    claims = {"smollm2": [(NAMESPACE, "smollm2-chat"), ("other-team", "theirs")]}
+    await converge(api, memo, claims=claims)
+    conflict = next(
+        c for c in api.pool["status"]["conditions"] if c["type"] == "ServedNameConflict"
+    )
+    assert (conflict["status"], conflict["reason"]) == ("True", "ClaimedInOtherNamespaces")
+    assert "other-team/theirs" in conflict["message"]
+    assert "ClaimedInOtherNamespaces" in reasons(events)
+    await converge(api, memo, claims={"smollm2": [(NAMESPACE, "smollm2-chat")]})
+    assert reasons(events) == ["Unique"]
+
+
+async def test_records_of_gateways_long_gone_are_pruned(api):
+    capture_events()
+    now = time.time()
+    demand = {
+        "alive": Demand(held=1, at=now),
+        "gone": Demand(held=3, at=now - DEMAND_PRUNE_SECONDS - 1),
+    }
+    await converge(api, kopf.Memo(), demand=demand)
+    assert api.demand_patches == [{"gateways": {"gone": None}}]
+
+
+def drain(queue: asyncio.Queue[Any]) -> list[Any]:
+    found = []
+    while not queue.empty():
+        found.append(queue.get_nowait())
+    return found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 
+from llmpool.gateway.demand import demand_recorder
 from llmpool.load import (
     DEMAND_CLOCK_SKEW_SECONDS,
     DEMAND_PRUNE_SECONDS,
@@ -12,6 +13,7 @@ from llmpool.load import (
     demand_records,
     stale_replicas,
 )
+from llmpool.operator import kube
 from llmpool.operator.pool_load import deletion_costs, pool_demand, replica_loads
 from llmpool.operator.views import pod_view
 
@@ -92,3 +94,15 @@ def test_deletion_costs_follow_the_load_and_change_only_when_it_does(make_pod) -
     pods.append(pod("leaving", deleting=True))
     loads = {"busy": 5.4, "idle": 0.0, "same": 2.0, "leaving": 1.0}
     assert deletion_costs(pods, loads) == {"busy": "5", "idle": "0"}
+
+
+async def test_a_gateway_replica_writes_only_its_own_record_in_the_demand_status(monkeypatch):
+    patches = []
+
+    async def patch_demand_status(namespace: str, name: str, patch: dict) -> None:
+        patches.append((namespace, name, patch))
+
+    monkeypatch.setattr(kube, "patch_demand_status", patch_demand_status)
+    await demand_recorder("gateway-7f9c")(("team", "chat"), Demand(held=2, at=1_800_000_000.0))
+    record = {"held": 2, "at": "2027-01-15T08:00:00Z"}
+    assert patches == [("team", "chat", {"gateways": {"gateway-7f9c": record}})]
