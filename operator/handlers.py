@@ -391,8 +391,9 @@ async def _apply_children(
     replicas: int,
     rescaled: bool,
 ) -> Applied:
-    """Apply every child when the spec or template changed, else those that drifted, and the
-    Deployment when the autoscaler ``rescaled`` it to ``replicas``."""
+    """Apply every child when the spec or template changed, else those that drifted; the
+    Deployment (and the engine-key Secret before it) when the autoscaler ``rescaled`` it to
+    ``replicas`` or the fleet key changed. Never over an object the pool does not control."""
     metadata, spec, status = body["metadata"], body["spec"], body.get("status") or {}
     name, namespace = metadata["name"], metadata["namespace"]
     generation = metadata.get("generation", 0)
@@ -417,11 +418,18 @@ async def _apply_children(
     rejected = memo.get("rejected")
     if rejected is not None and rejected[:2] == (generation, digest):
         raise ChildRejected(rejected[2])  # the same spec again: the same answer
+    deployment = rendered[-1]
+    # Like a restore, judged only once the indexes show the operator's own last apply.
+    rekeyed = _restore_due(memo) and children.engine_key_changed(
+        observed.children.get(f"Deployment/{deployment['metadata']['name']}"), deployment
+    )
     due: list[tuple[dict[str, Any], str]] = []
     if reconcile:
         due = [(child, "") for child in rendered]
-    elif rescaled:
-        due = [(rendered[-1], "")]  # the Deployment; the autoscaler's own Event says why
+    elif rescaled or rekeyed:
+        # The Deployment, and the Secret its new pods read: the autoscaler's Event, or the one
+        # below, says why.
+        due = [(child, "") for child in rendered if child["kind"] in ("Secret", "Deployment")]
     elif _restore_due(memo):
         for child in rendered:
             key = f"{child['kind']}/{child['metadata']['name']}"
@@ -438,6 +446,9 @@ async def _apply_children(
             await _apply(child)
             if why:
                 kopf.warn(body, reason=f"{child['kind']}Restored", message=why)
+        if rekeyed and any(child is deployment for child, _ in due):
+            message = "the fleet key changed: rolling the engines onto the pool's new key"
+            kopf.event(body, type="Normal", reason="EngineKeyRotated", message=message)
     except ChildRejected as error:
         memo["rejected"] = (generation, digest, str(error))
         raise

@@ -75,15 +75,16 @@ def size_pool(spec: PoolSpec) -> Sizing:
 
 
 def default_memory_limit(spec: PoolSpec) -> str | None:
-    """The engine container's memory limit when the spec sets none: the weights (float32 on CPU,
-    the widest ``auto`` can pick), the KV cache when it lives in host memory (CPU), and the
-    runtime. None when that cannot be known: a model without a known shape, or a CPU pool
-    whose KV cache the engine sizes from the node (no ``engine.kvCacheMemory``)."""
+    """The engine container's memory limit when the spec sets none: the weights as loaded,
+    before any quantization (float32 on CPU, the widest ``auto`` can pick), the KV cache when it
+    lives in host memory (CPU), and the runtime. None when that cannot be known: a model without
+    a known shape, or a CPU pool whose KV cache the engine sizes from the node (no
+    ``engine.kvCacheMemory``)."""
     shape = builtin_shape(spec.source)
     if shape is None:
         return None
     gpu = on_gpu(spec)
-    weights = capacity.weight_bytes(shape, "bfloat16" if gpu else "float32", spec.quantization)
+    weights = capacity.weight_bytes(shape, "bfloat16" if gpu else "float32")
     kv_cache = 0
     if not gpu:
         if spec.engine.kv_cache_memory is None:

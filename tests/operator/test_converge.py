@@ -472,3 +472,28 @@ def drain(queue: asyncio.Queue[Any]) -> list[Any]:
     while not queue.empty():
         found.append(queue.get_nowait())
     return found
+
+
+async def test_a_rotated_fleet_key_rolls_the_engines_with_one_normal_event(
+    api, tmp_path, monkeypatch
+):
+    events = capture_events()
+    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    key_file = tmp_path / "fleet-key"
+    key_file.write_text("fleet")
+    memo = kopf.Memo(fleet_key=FleetKey(key_file))
+    await converge(api, memo)
+    drain(events)
+    rotated = tmp_path / "rotated"
+    rotated.write_text("rotated")
+    rotated.replace(key_file)  # as the kubelet swaps a Secret volume's files
+    written = len(api.writes)
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes[written:] if kind != "status"] == [
+        "Secret",
+        "Deployment",
+    ]
+    assert [event.reason for event in drain(events)] == ["EngineKeyRotated"]
+    written = len(api.writes)
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes[written:] if kind != "status"] == []
