@@ -11,6 +11,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -190,3 +191,48 @@ def test_a_pools_engines_read_their_key_from_the_pools_own_secret(
         SETTLE_SECONDS,
         interval=1,
     )
+
+
+def test_gateway_demand_records_scale_a_pool_from_zero_and_future_ones_do_not(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess
+) -> None:
+    name = "on-demand"
+    body = pool(name)
+    del body["spec"]["replicas"]
+    body["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 1}
+    cluster.apply(body, namespace=namespace)
+    wait_for(
+        "the pool's LLMPoolDemand",
+        lambda: (
+            cluster.run(
+                "kubectl", "get", "llmpooldemand", name, "-n", namespace, check=False
+            ).returncode
+            == 0
+        ),
+        SETTLE_SECONDS,
+        interval=1,
+    )
+
+    def record(replica: str, held: int, at: float) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+        patch = {"status": {"gateways": {replica: {"held": held, "at": stamp}}}}
+        cluster.kubectl(
+            "patch", "llmpooldemand", name, "-n", namespace, "--subresource=status",
+            "--type=merge", "-p", json.dumps(patch),
+        )  # fmt: skip
+
+    def desired() -> int | None:
+        status = cluster.get("llmpool", name, "-n", namespace).get("status") or {}
+        return (status.get("autoscaling") or {}).get("desiredReplicas")
+
+    wait_for("the autoscaler's first decision", lambda: desired() == 0, SETTLE_SECONDS, 1)
+    # Dated an hour ahead: it would never expire, so it counts for nothing.
+    record("gateway-a", 5, time.time() + 3600)
+    time.sleep(6)
+    assert desired() == 0
+    # A second gateway replica's fresh record stands beside the first one's.
+    record("gateway-b", 1, time.time())
+    wait_for("a scale from zero", lambda: desired() == 1, 30, interval=0.5)
+    records = cluster.get("llmpooldemand", name, "-n", namespace)["status"]["gateways"]
+    assert sorted(records) == ["gateway-a", "gateway-b"]
+    cluster.kubectl("delete", "llmpool", name, "-n", namespace, "--timeout=60s")
