@@ -4,11 +4,12 @@ Importing this module registers the handlers with kopf's default registry.
 
 There is one reconcile path, ``converge``, level-triggered and serialized per pool: the
 create/update/resume handler, the ``observe`` timer (every ``STATUS_INTERVAL_SECONDS``) and a
-change of the pool's LLMPoolDemand (a gateway holding requests) all call it under the pool's lock, and it decides only from the live LLMPool it reads under that
-lock, so a timer started with an older body can never write children or status of an older
-spec. Each pass re-applies every child when the spec (or the user's chat template) changed,
-and otherwise each child that is missing or differs from what the spec renders, never over an
-object the pool does not control (``ownership``); then it turns
+change of the pool's LLMPoolDemand (a gateway holding requests) all call it under the pool's
+lock, and it decides only from the live LLMPool it reads under that lock, so a timer started
+with an older body can never write children or status of an older spec. Each pass re-applies
+every child when the spec (or the user's chat template) changed, and otherwise each child that
+is missing or differs from what the spec renders, never over an object the pool does not
+control (``ownership``); then it turns
 the indexed Deployment and Pods into counts and conditions, checks fingerprints every
 ``spec.drift.intervalSeconds`` (or as soon as the pool's pods change) and applies the drift
 policy, backing off after the operator's ``max_drift_recreations``.

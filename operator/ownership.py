@@ -39,14 +39,17 @@ def controlled_by(metadata: Mapping[str, Any], uid: str) -> bool:
 
 
 def conflict(kind: str, metadata: Mapping[str, Any] | None, uid: str) -> Conflict | None:
-    """A conflict when an object of the child's name exists that the pool ``uid`` does not control."""
+    """A conflict when an object of the child's name exists that pool ``uid`` does not control."""
     if metadata is None or controlled_by(metadata, uid):
         return None
     controller = controller_of(metadata)
     described = ""
     if controller is not None:
         # Another pool of this name (deleted, its children not yet collected) shows as such.
-        described = f"{controller.get('kind', '?')} {controller.get('name', '?')} (uid {controller.get('uid', '?')})"
+        owner_kind, owner_name, owner_uid = (
+            controller.get(k, "?") for k in ("kind", "name", "uid")
+        )
+        described = f"{owner_kind} {owner_name} (uid {owner_uid})"
     return Conflict(kind=kind, name=str(metadata.get("name", "")), controller=described)
 
 
