@@ -11,7 +11,8 @@ from llmpool.operator.spec import PoolSpec
 
 GPU_RESOURCE_SUFFIX = "/gpu"  # nvidia.com/gpu, amd.com/gpu
 # Host memory of an engine beyond its weights and KV cache: Python, torch, the tokenizer, step
-# activations, the HTTP server; measured on the built-in model with room to spare.
+# activations, the HTTP server. An allowance, not a measurement: above the ~1.2 GiB that the
+# example pool's 2Gi limit leaves beside its float32 weights and 256Mi of KV cache.
 ENGINE_RUNTIME_BYTES = 1536 * 2**20
 MEBIBYTE = 2**20
 
