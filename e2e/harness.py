@@ -159,15 +159,22 @@ class GatewayProcess:
     """`llmpool gateway` as a local process for one namespace, reaching pods by pod IP."""
 
     def __init__(
-        self, cluster: ClusterHandle, namespace: str, log_path: Path, hold_timeout: float = 0
+        self,
+        cluster: ClusterHandle,
+        namespace: str,
+        log_path: Path,
+        hold_timeout: float = 0,
+        *extra: str,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """``extra``: more gateway flags; ``env``: the process environment (the cluster's)."""
         self.port = free_port()
         self.log_path = log_path
         argv = [sys.executable, "-m", "llmpool.cli", "gateway", "--host", "127.0.0.1"]
         argv += ["--port", str(self.port), "--namespace", namespace]
-        argv += ["--hold-timeout", str(hold_timeout)]
+        argv += ["--hold-timeout", str(hold_timeout), *extra]
         with log_path.open("ab") as log:
-            self.process = subprocess.Popen(argv, env=cluster.env, stdout=log, stderr=log)
+            self.process = subprocess.Popen(argv, env=env or cluster.env, stdout=log, stderr=log)
         wait_for("the gateway to be ready", lambda: self.get("/ready")[0] == 200, 120, 0.5)
 
     @property

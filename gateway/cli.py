@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 import uvicorn
 
@@ -12,7 +13,7 @@ from llmpool.engine.server.http import MAX_BODY_BYTES
 from llmpool.fleet_key import FleetKey
 from llmpool.gateway import routing
 from llmpool.gateway.app import MIB, GatewaySettings, build_app
-from llmpool.gateway.demand import annotate
+from llmpool.gateway.demand import demand_recorder
 from llmpool.gateway.pools import PoolTable
 from llmpool.gateway.tenants import KeyRing
 from llmpool.gateway.watch import TableWatcher, key_secrets, resources
@@ -84,11 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests held per pool at most while it has no ready replica; beyond, a 503",
     )
     parser.add_argument(
-        "--no-demand-annotation",
-        dest="demand_annotation",
+        "--no-record-demand",
+        dest="record_demand",
         action="store_false",
-        help="do not record held requests on the LLMPool (annotation llmpool.dev/demand) for"
-        " the operator's autoscaler; needs no patch permission on llmpools",
+        help="do not record held requests in the pool's LLMPoolDemand status for the operator's"
+        " autoscaler; needs no patch permission on llmpooldemands/status",
     )
     parser.add_argument(
         "--scrape-interval",
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         table,
         settings,
         background=[watcher.run],
-        demand_writer=annotate if args.demand_annotation else None,
+        demand_writer=demand_recorder(socket.gethostname()) if args.record_demand else None,
         keys=keys,
     )
     # No access log: request lines are fine, but this gateway never logs anything of a body.

@@ -1,12 +1,12 @@
 """What this gateway holds for each pool, written where the operator's autoscaler reads it.
 
 A pool with no ready replica (scaled to zero, or all replicas down) gets its requests held here;
-the operator cannot see them in any engine's gauges, so the gateway records the count on the
-LLMPool as the ``llmpool.dev/demand`` annotation (``llmpool.load.Demand``). Writes are
-rate-limited: the first hold is written at once (a pool at zero scales up from it), then the
-record is refreshed every ``DEMAND_REFRESH_SECONDS`` while requests are held, and cleared once
-when none are. Several gateway replicas overwrite each other's record; each refreshes while it
-holds, so the operator sees demand as long as any of them holds requests.
+the operator cannot see them in any engine's gauges, so the gateway records the count in the
+status of the pool's LLMPoolDemand (``llmpool.load.Demand``), under this replica's own name: the
+records of several gateway replicas stand side by side and the operator adds them up. The
+gateway may patch only that status, never an LLMPool. Writes are rate-limited: the first hold
+is written at once (a pool at zero scales up from it), then the record is refreshed every
+``DEMAND_REFRESH_SECONDS`` while requests are held, and cleared once when none are.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 
 from llmpool.gateway.load import LoadTracker
 from llmpool.gateway.pools import PoolKey, PoolTable
-from llmpool.load import DEMAND_ANNOTATION, DEMAND_REFRESH_SECONDS, Demand
-from llmpool.operator import kube
+from llmpool.load import DEMAND_GATEWAYS_FIELD, DEMAND_REFRESH_SECONDS, Demand
+from llmpool.operator import kube, naming
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +72,17 @@ class DemandReporter:
                 try:
                     await self.write(key, demand)
                 except Exception as error:  # a hint, not a request: log it and try again later
-                    logger.warning("recording demand on LLMPool %s/%s failed: %s", *key, error)
+                    logger.warning("recording demand of LLMPool %s/%s failed: %s", *key, error)
                     continue
                 self._written[key] = demand
 
 
-async def annotate(key: PoolKey, demand: Demand) -> None:
-    """The writer used in a cluster: a merge patch of the LLMPool's annotation."""
-    await kube.annotate_pool(key[0], key[1], {DEMAND_ANNOTATION: demand.to_annotation()})
+def demand_recorder(replica: str) -> DemandWriter:
+    """The writer used in a cluster: a merge patch of this replica's record in the status of the
+    pool's LLMPoolDemand (``replica``: this gateway's pod name)."""
+
+    async def record(key: PoolKey, demand: Demand) -> None:
+        patch = {DEMAND_GATEWAYS_FIELD: {replica: demand.to_record()}}
+        await kube.patch_demand_status(key[0], naming.demand_name(key[1]), patch)
+
+    return record

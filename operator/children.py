@@ -1,4 +1,5 @@
-"""Whether a pool's children (ConfigMap, Service, Deployment) still hold what the operator renders.
+"""Whether a pool's children (ConfigMap, Secret, Service, Deployment, ...) still hold what the
+operator renders.
 
 The comparison is kubectl-apply-like: only the fields the operator renders are compared, so
 what the API server defaults or another manager adds never counts as a difference, while a
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.utils import parse_quantity
+
+from llmpool.operator import naming
 
 # Only these parts of a live child are kept in the operator's indexes and compared.
 KEPT_METADATA = ("name", "namespace", "labels", "annotations", "ownerReferences")
@@ -82,3 +85,15 @@ def drift_message(kind: str, name: str, live: ChildView | None, desired: Mapping
     shown = ", ".join(paths[:MAX_LISTED_PATHS])
     more = len(paths) - MAX_LISTED_PATHS
     return f"{kind} {name} differed at {shown}" + (f" and {more} more" if more > 0 else "")
+
+
+def _engine_key_hash(deployment: Mapping[str, Any]) -> str | None:
+    template = (deployment.get("spec") or {}).get("template") or {}
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(naming.ENGINE_KEY_HASH_ANNOTATION)
+
+
+def engine_key_changed(live: ChildView | None, desired: Mapping[str, Any]) -> bool:
+    """Whether the live Deployment's pods were rendered for another engine key than ``desired``
+    (the fleet key rotated, or was set or removed): a planned roll, not a restore."""
+    return live is not None and _engine_key_hash(live.body) != _engine_key_hash(desired)

@@ -10,10 +10,11 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 DRIFTED = "Drifted"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, DRIFTED)
+SERVED_NAME_CONFLICT = "ServedNameConflict"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, DRIFTED, SERVED_NAME_CONFLICT)
 
 # Conditions whose True status means something is wrong.
-ABNORMAL_WHEN_TRUE = frozenset({DEGRADED, DRIFTED})
+ABNORMAL_WHEN_TRUE = frozenset({DEGRADED, DRIFTED, SERVED_NAME_CONFLICT})
 # Why a pool may stop being Ready because someone asked for it (a rollout, a new spec, zero
 # replicas): a Normal Event, not a Warning.
 PLANNED_NOT_READY_REASONS = frozenset({"RollingOut", "Reconciling", "ScaledToZero"})

@@ -3,11 +3,13 @@
 Importing this module registers the handlers with kopf's default registry.
 
 There is one reconcile path, ``converge``, level-triggered and serialized per pool: the
-create/update/resume handler and the ``observe`` timer (every ``STATUS_INTERVAL_SECONDS``) both
-call it under the pool's lock, and it decides only from the live LLMPool it reads under that
-lock, so a timer started with an older body can never write children or status of an older
-spec. Each pass re-applies every child when the spec (or the user's chat template) changed,
-and otherwise each child that is missing or differs from what the spec renders; then it turns
+create/update/resume handler, the ``observe`` timer (every ``STATUS_INTERVAL_SECONDS``) and a
+change of the pool's LLMPoolDemand (a gateway holding requests) all call it under the pool's
+lock, and it decides only from the live LLMPool it reads under that lock, so a timer started
+with an older body can never write children or status of an older spec. Each pass re-applies
+every child when the spec (or the user's chat template) changed, and otherwise each child that
+is missing or differs from what the spec renders, never over an object the pool does not
+control (``ownership``); then it turns
 the indexed Deployment and Pods into counts and conditions, checks fingerprints every
 ``spec.drift.intervalSeconds`` (or as soon as the pool's pods change) and applies the drift
 policy, backing off after the operator's ``max_drift_recreations``.
@@ -19,7 +21,7 @@ import asyncio
 import datetime
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -27,6 +29,8 @@ import kopf
 from kubernetes.client import ApiException
 
 from llmpool import pinning
+from llmpool.fleet_key import FleetKey
+from llmpool.load import DEMAND_GATEWAYS_FIELD, Demand, demand_records, stale_replicas
 from llmpool.operator import (
     admission,
     autoscaling,
@@ -37,7 +41,9 @@ from llmpool.operator import (
     kube,
     metrics,
     naming,
+    ownership,
     render,
+    served_names,
 )
 from llmpool.operator import status as pool_status
 from llmpool.operator.pool_load import deletion_costs, pool_demand, replica_loads
@@ -67,6 +73,7 @@ API_REQUEST_TIMEOUT_SECONDS = 30
 DEFAULT_ENGINE_IMAGE = "llmpool:latest"
 ANNOTATION_PREFIX = "llmpool.dev"
 APPLY_REJECTED = "ApplyRejected"
+OWNERSHIP_CONFLICT = "OwnershipConflict"
 CHILD_WATCH_LABELS: Mapping[str, Any] = {
     naming.POOL_LABEL: kopf.PRESENT,
     naming.MANAGED_BY_LABEL: naming.FIELD_MANAGER,
@@ -79,6 +86,18 @@ class ChatTemplateMissing(Exception):
 
 class ChildRejected(Exception):
     """The API server refused a rendered child (422): retrying the same spec cannot help."""
+
+
+class ChildConflict(Exception):
+    """An object of a child's name exists that the pool does not control: nothing is applied."""
+
+
+@dataclass(frozen=True)
+class PoolHandle:
+    """What a handler of another resource needs to run a pool's ``converge``."""
+
+    uid: str
+    memo: kopf.Memo
 
 
 @kopf.on.startup()
@@ -113,6 +132,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.label_selectors["apps", "v1", "deployments"] = naming.POOL_LABEL
     settings.watching.label_selectors["v1", "services"] = naming.POOL_LABEL
     settings.watching.label_selectors["v1", "configmaps"] = naming.POOL_LABEL
+    settings.watching.label_selectors["v1", "secrets"] = naming.POOL_LABEL
+    settings.watching.label_selectors[naming.GROUP, naming.VERSION, naming.DEMAND_PLURAL] = (
+        naming.POOL_LABEL
+    )
     settings.watching.label_selectors["policy", "v1", "poddisruptionbudgets"] = naming.POOL_LABEL
     kube.load_credentials()
     if memo.get("peering_to_create"):
@@ -163,22 +186,60 @@ def child_disruption_budgets(
     return {(namespace, labels[naming.POOL_LABEL]): children.child_view(body)}
 
 
+@kopf.index("v1", "secrets", labels=CHILD_WATCH_LABELS)
+def child_secrets(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str | None, str], children.ChildView]:
+    return {(namespace, labels[naming.POOL_LABEL]): children.child_view(body)}
+
+
+@kopf.index(naming.GROUP, naming.VERSION, naming.DEMAND_PLURAL, labels=CHILD_WATCH_LABELS)
+def child_demands(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str | None, str], children.ChildView]:
+    return {(namespace, labels[naming.POOL_LABEL]): children.child_view(body)}
+
+
+@kopf.index(naming.GROUP, naming.VERSION, naming.DEMAND_PLURAL, labels=CHILD_WATCH_LABELS)
+def gateway_demands(
+    namespace: str | None, labels: Mapping[str, str], status: kopf.Status, **_: Any
+) -> dict[tuple[str | None, str], dict[str, Demand]]:
+    return {(namespace, labels[naming.POOL_LABEL]): demand_records(status)}
+
+
+@kopf.index(naming.GROUP, naming.VERSION, naming.PLURAL)
+def pools_by_served_name(
+    namespace: str | None, name: str | None, spec: kopf.Spec, **_: Any
+) -> dict[str, tuple[str | None, str | None]]:
+    try:
+        served = PoolSpec.from_dict(spec).served_name
+    except (KeyError, TypeError):
+        return {}  # not a pool the operator can serve: it claims nothing
+    return {served: (namespace, name)}
+
+
 @dataclass(frozen=True)
 class Observed:
-    """What the indexes hold for one pool: its pods, its Deployment, and its live children."""
+    """What the indexes hold for one pool: its pods, its Deployment, its live children, the
+    gateways' demand records, and every pool's claim on a served name."""
 
     pods: list[PodView]
     deployment: DeploymentView | None
     children: dict[str, children.ChildView] = field(default_factory=dict)  # by kind and name
+    demand: dict[str, Demand] = field(default_factory=dict)  # by gateway replica
+    # Every pool's (namespace, name) by served name: kopf's index itself, not a copy.
+    served_name_claims: Mapping[str, Iterable[tuple[str, str]]] = field(default_factory=dict)
 
 
 def observed_from_indexes(key: tuple[str, str], **indexes: Any) -> Observed:
     live: dict[str, children.ChildView] = {}
     for index in (
         "child_configmaps",
+        "child_secrets",
         "child_services",
         "child_disruption_budgets",
         "child_deployments",
+        "child_demands",
     ):
         for view in indexes[index].get(key, []):
             live[f"{view.kind}/{view.name}"] = view
@@ -186,6 +247,8 @@ def observed_from_indexes(key: tuple[str, str], **indexes: Any) -> Observed:
         pods=list(indexes["engine_pods"].get(key, [])),
         deployment=next(iter(indexes["engine_deployments"].get(key, [])), None),
         children=live,
+        demand=next(iter(indexes["gateway_demands"].get(key, [])), {}),
+        served_name_claims=indexes["pools_by_served_name"],
     )
 
 
@@ -261,6 +324,42 @@ async def read_chat_template(
     return template
 
 
+def _engine_key(memo: kopf.Memo, namespace: str, name: str) -> str | None:
+    """The pool's engine key from the fleet key; None in open mode (no fleet key configured)."""
+    fleet = memo.get("fleet_key")
+    if not isinstance(fleet, FleetKey):
+        return None
+    try:
+        return fleet.engine_key(namespace, name)
+    except (OSError, ValueError) as error:
+        raise kopf.TemporaryError(
+            f"reading the fleet key: {error}", delay=APPLY_RETRY_SECONDS
+        ) from error
+
+
+async def _conflicts(
+    uid: str, namespace: str, due: list[tuple[dict[str, Any], str]], observed: Observed
+) -> list[ownership.Conflict]:
+    """Children about to be applied over an object the pool does not control. One the indexes
+    show under the pool's controller reference needs no look; any other is read by name."""
+    found = []
+    for child, _ in due:
+        kind, name = child["kind"], child["metadata"]["name"]
+        live = observed.children.get(f"{kind}/{name}")
+        if live is not None and ownership.controlled_by(live.body["metadata"], uid):
+            continue
+        try:
+            metadata = await kube.read_metadata(kind, namespace, name)
+        except ApiException as error:
+            raise kopf.TemporaryError(
+                f"reading {kind} {name}: {error.status} {error.reason}", delay=APPLY_RETRY_SECONDS
+            ) from error
+        conflict = ownership.conflict(kind, metadata, uid)
+        if conflict is not None:
+            found.append(conflict)
+    return found
+
+
 async def _apply(child: dict[str, Any]) -> None:
     try:
         await kube.apply(child)
@@ -293,19 +392,25 @@ async def _apply_children(
     replicas: int,
     rescaled: bool,
 ) -> Applied:
-    """Apply every child when the spec or template changed, else those that drifted, and the
-    Deployment when the autoscaler ``rescaled`` it to ``replicas``."""
+    """Apply every child when the spec or template changed, else those that drifted; the
+    Deployment (and the engine-key Secret before it) when the autoscaler ``rescaled`` it to
+    ``replicas`` or the fleet key changed. Never over an object the pool does not control."""
     metadata, spec, status = body["metadata"], body["spec"], body.get("status") or {}
     name, namespace = metadata["name"], metadata["namespace"]
     generation = metadata.get("generation", 0)
     chat_template = await read_chat_template(pool, namespace, memo, fresh)
     pinned = pinning.pinned_from_spec(spec, chat_template)
     digest = pinning.pinned_digest(pinned)
+    engine_key = _engine_key(memo, namespace, name)
+    image = _policy(memo).engine_image
     rendered = [
         render.render_configmap(name, pinned, chat_template),
+        *([render.render_engine_key_secret(name, engine_key)] if engine_key else []),
         render.render_service(name),
         render.render_disruption_budget(name, pool),
-        render.render_deployment(name, pool, digest, _policy(memo).engine_image, replicas),
+        render.render_demand(name),
+        # Last: its pods read the Secret and the ConfigMap above.
+        render.render_deployment(name, pool, digest, image, replicas, engine_key),
     ]
     kopf.adopt(rendered, owner=body)
     reconcile = generation > status.get("observedGeneration", 0) or digest != status.get(
@@ -314,11 +419,18 @@ async def _apply_children(
     rejected = memo.get("rejected")
     if rejected is not None and rejected[:2] == (generation, digest):
         raise ChildRejected(rejected[2])  # the same spec again: the same answer
+    deployment = rendered[-1]
+    # Like a restore, judged only once the indexes show the operator's own last apply.
+    rekeyed = _restore_due(memo) and children.engine_key_changed(
+        observed.children.get(f"Deployment/{deployment['metadata']['name']}"), deployment
+    )
     due: list[tuple[dict[str, Any], str]] = []
     if reconcile:
         due = [(child, "") for child in rendered]
-    elif rescaled:
-        due = [(rendered[-1], "")]  # the Deployment; the autoscaler's own Event says why
+    elif rescaled or rekeyed:
+        # The Deployment, and the Secret its new pods read: the autoscaler's Event, or the one
+        # below, says why.
+        due = [(child, "") for child in rendered if child["kind"] in ("Secret", "Deployment")]
     elif _restore_due(memo):
         for child in rendered:
             key = f"{child['kind']}/{child['metadata']['name']}"
@@ -327,11 +439,17 @@ async def _apply_children(
             )
             if why:
                 due.append((child, why))
+    conflicts = await _conflicts(metadata["uid"], namespace, due, observed)
+    if conflicts:
+        raise ChildConflict(ownership.conflict_message(conflicts))
     try:
         for child, why in due:
             await _apply(child)
             if why:
                 kopf.warn(body, reason=f"{child['kind']}Restored", message=why)
+        if rekeyed and any(child is deployment for child, _ in due):
+            message = "the fleet key changed: rolling the engines onto the pool's new key"
+            kopf.event(body, type="Normal", reason="EngineKeyRotated", message=message)
     except ChildRejected as error:
         memo["rejected"] = (generation, digest, str(error))
         raise
@@ -395,7 +513,7 @@ async def _autoscale(
         current = observed.deployment.replicas if observed.deployment else None
         state = autoscaling.ScalerState.initial(pool.autoscaling, current)
     now = int(time.time())
-    load = pool_demand(loads, body["metadata"].get("annotations"), now)
+    load = pool_demand(loads, observed.demand, now)
     digest = status.get("pinnedDigest")
     rolling = digest is not None and (
         pool_status.rollout_state(
@@ -480,6 +598,8 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
             problems.append(str(error))
         except ChildRejected as error:
             blocked = admission.Refusal(APPLY_REJECTED, str(error))
+        except ChildConflict as error:
+            blocked = admission.Refusal(OWNERSHIP_CONFLICT, str(error))
         else:
             if applied.reconciled:
                 _reconciled_events(body, status, applied)
@@ -546,6 +666,10 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
 
     observation = pool_status.Observation(
         pool=name,
+        served_name=pool.served_name,
+        served_name_rivals=served_names.rivals(
+            observed.served_name_claims.get(pool.served_name, []), namespace
+        ),
         revision=pool.revision,
         generation=generation,
         reconciled_generation=generation if reconciled else status.get("observedGeneration", 0),
@@ -591,6 +715,18 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
         if await kube.delete_pod(namespace, pod, uids[pod]):
             metrics.RECREATED_PODS.labels(namespace, name).inc()
             kopf.warn(body, reason="RecreatingDriftedPod", message=f"deleted drifted pod {pod}")
+    await _prune_demand(namespace, name, stale_replicas(observed.demand, time.time()))
+
+
+async def _prune_demand(namespace: str, name: str, replicas: list[str]) -> None:
+    """Remove the records of gateway replicas long gone (their pods' names never come back)."""
+    if not replicas:
+        return
+    patch = {DEMAND_GATEWAYS_FIELD: dict.fromkeys(replicas)}
+    try:
+        await kube.patch_demand_status(namespace, naming.demand_name(name), patch)
+    except ApiException as error:
+        logger.warning("%s/%s: pruning demand records failed: %s", namespace, name, error)
 
 
 @kopf.on.resume(naming.GROUP, naming.VERSION, naming.PLURAL)
@@ -600,6 +736,7 @@ async def reconcile(
     body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, diff: kopf.Diff, **kwargs: Any
 ) -> None:
     namespace, name = meta["namespace"], meta["name"]
+    _register(memo, namespace, name, meta["uid"])
     observed = observed_from_indexes((namespace, name), **kwargs)
     await converge(namespace=namespace, name=name, uid=meta["uid"], memo=memo, observed=observed)
     change = replica_change(diff)
@@ -609,14 +746,47 @@ async def reconcile(
 
 
 @kopf.on.delete(naming.GROUP, naming.VERSION, naming.PLURAL, optional=True)
-def forget(name: str, namespace: str | None, **_: Any) -> None:
+def forget(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     """Children go with the pool (owner references); only the metric series stay behind."""
     metrics.forget_pool(namespace or "", name)
+    _pool_handles(memo).pop((namespace or "", name), None)
+
+
+def _pool_handles(memo: kopf.Memo) -> dict[tuple[str, str], PoolHandle]:
+    """Every pool's handle, shared by all objects' memos (``main`` puts it in the operator's
+    memo, which kopf copies shallowly into each object's); a private one in unit tests."""
+    handles = memo.get("pool_handles")
+    if handles is None:
+        handles = memo["pool_handles"] = {}
+    return cast(dict[tuple[str, str], PoolHandle], handles)
+
+
+def _register(memo: kopf.Memo, namespace: str, name: str, uid: str) -> None:
+    _pool_handles(memo)[(namespace, name)] = PoolHandle(uid=uid, memo=memo)
+
+
+@kopf.on.event(naming.GROUP, naming.VERSION, naming.DEMAND_PLURAL, labels=CHILD_WATCH_LABELS)  # type: ignore[arg-type]
+async def demand_changed(
+    namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """A gateway recorded held requests: converge the pool now, not at its next timer run (a
+    pool at zero replicas starts scaling up at once)."""
+    if namespace is None:
+        return
+    name = labels[naming.POOL_LABEL]
+    handle = _pool_handles(memo).get((namespace, name))
+    if handle is None:
+        return  # the pool's own handlers have not run yet; they will converge it
+    observed = observed_from_indexes((namespace, name), **kwargs)
+    await converge(
+        namespace=namespace, name=name, uid=handle.uid, memo=handle.memo, observed=observed
+    )
 
 
 # kopf passes indexes as keyword arguments named after them, beyond its typed protocol.
 @kopf.timer(naming.GROUP, naming.VERSION, naming.PLURAL, interval=STATUS_INTERVAL_SECONDS)  # type: ignore[arg-type]
 async def observe(meta: kopf.Meta, memo: kopf.Memo, **kwargs: Any) -> None:
     namespace, name = meta["namespace"], meta["name"]
+    _register(memo, namespace, name, meta["uid"])
     observed = observed_from_indexes((namespace, name), **kwargs)
     await converge(namespace=namespace, name=name, uid=meta["uid"], memo=memo, observed=observed)

@@ -33,20 +33,52 @@ def load_credentials() -> None:
         kubernetes.config.load_kube_config()
 
 
+def _demand_call(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A CustomObjectsApi call on LLMPoolDemands with the core APIs' (name, namespace, ...) order."""
+
+    def call(name: str, namespace: str, *args: Any, **kwargs: Any) -> Any:
+        return method(
+            naming.GROUP, naming.VERSION, namespace, naming.DEMAND_PLURAL, name, *args, **kwargs
+        )
+
+    return call
+
+
 def _appliers() -> dict[str, Callable[..., Any]]:
     core = kubernetes.client.CoreV1Api()
     apps = kubernetes.client.AppsV1Api()
     policy = kubernetes.client.PolicyV1Api()
+    custom = kubernetes.client.CustomObjectsApi()
     return {
         "ConfigMap": core.patch_namespaced_config_map,
+        "Secret": core.patch_namespaced_secret,
         "Service": core.patch_namespaced_service,
         "PodDisruptionBudget": policy.patch_namespaced_pod_disruption_budget,
         "Deployment": apps.patch_namespaced_deployment,
+        naming.DEMAND_KIND: _demand_call(custom.patch_namespaced_custom_object),
+    }
+
+
+def _readers() -> dict[str, Callable[..., Any]]:
+    core = kubernetes.client.CoreV1Api()
+    apps = kubernetes.client.AppsV1Api()
+    policy = kubernetes.client.PolicyV1Api()
+    custom = kubernetes.client.CustomObjectsApi()
+    return {
+        "ConfigMap": core.read_namespaced_config_map,
+        "Secret": core.read_namespaced_secret,
+        "Service": core.read_namespaced_service,
+        "PodDisruptionBudget": policy.read_namespaced_pod_disruption_budget,
+        "Deployment": apps.read_namespaced_deployment,
+        naming.DEMAND_KIND: _demand_call(custom.get_namespaced_custom_object),
     }
 
 
 async def apply(obj: dict[str, Any]) -> None:
-    """Server-side apply: idempotent, and restarting mid-way cannot create duplicates."""
+    """Server-side apply: idempotent, and restarting mid-way cannot create duplicates.
+
+    Forced, because the fields are the operator's own; that it applies only objects it
+    controls is checked before (``ownership.conflicts``)."""
     patch = _appliers()[obj["kind"]]
     metadata = obj["metadata"]
     await asyncio.to_thread(
@@ -59,6 +91,19 @@ async def apply(obj: dict[str, Any]) -> None:
         _content_type=APPLY_CONTENT_TYPE,
         _request_timeout=REQUEST_TIMEOUT,
     )
+
+
+async def read_metadata(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """The metadata of an object of a child's kind and name, or None when there is none."""
+    read = _readers()[kind]
+    try:
+        found = await asyncio.to_thread(read, name, namespace, _request_timeout=REQUEST_TIMEOUT)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    body = kubernetes.client.ApiClient().sanitize_for_serialization(found)
+    return cast(dict[str, Any], body.get("metadata") or {})
 
 
 def error_message(error: ApiException) -> str:
@@ -117,11 +162,18 @@ async def patch_pool_status(namespace: str, name: str, patch: dict[str, Any]) ->
     )
 
 
-async def annotate_pool(namespace: str, name: str, annotations: dict[str, str]) -> None:
-    """JSON merge patch of the pool's annotations (the gateway's demand record)."""
+async def patch_demand_status(namespace: str, name: str, patch: dict[str, Any]) -> None:
+    """JSON merge patch of an LLMPoolDemand's status: a gateway's record of what it holds, or
+    the operator pruning records of gateways long gone."""
     custom = kubernetes.client.CustomObjectsApi()
-    body = {"metadata": {"annotations": annotations}}
-    await _merge_patch_pool(custom.patch_namespaced_custom_object, namespace, name, body)
+    await asyncio.to_thread(
+        _demand_call(custom.patch_namespaced_custom_object_status),
+        name,
+        namespace,
+        {"status": patch},
+        _content_type=MERGE_PATCH_CONTENT_TYPE,
+        _request_timeout=REQUEST_TIMEOUT,
+    )
 
 
 async def read_configmap_key(namespace: str, name: str, key: str) -> str | None:

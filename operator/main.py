@@ -10,6 +10,7 @@ import random
 
 import kopf
 
+from llmpool.fleet_key import FleetKey
 from llmpool.operator import admission
 
 DEFAULT_PEERING_NAME = "llmpool-operator"
@@ -187,6 +188,10 @@ def main(argv: list[str]) -> int:
         metrics_port=args.metrics_port,
         peering_to_create=None if args.standalone or args.no_create_peering else args.peering,
         namespaces=args.namespaces or [],
+        fleet_key=FleetKey.from_env(),
+        # Shared by every object's memo (kopf copies this one shallowly): how a change of an
+        # LLMPoolDemand finds its pool's lock and memo.
+        pool_handles={},
     )
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     asyncio.run(

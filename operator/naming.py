@@ -6,6 +6,8 @@ GROUP = "llmpool.dev"
 VERSION = "v1alpha1"
 PLURAL = "llmpools"
 KIND = "LLMPool"
+DEMAND_PLURAL = "llmpooldemands"
+DEMAND_KIND = "LLMPoolDemand"
 
 FIELD_MANAGER = "llmpool-operator"
 
@@ -17,6 +19,9 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 ENGINE_APP = "llmpool-engine"
 
 DIGEST_ANNOTATION = "llmpool.dev/pinned-digest"
+# A short hash of the pool's engine key on the pod template: a rotated fleet key rolls the pods
+# (the engine reads its key once, at start), while the key itself stays in the Secret.
+ENGINE_KEY_HASH_ANNOTATION = "llmpool.dev/engine-key-hash"
 
 ENGINE_PORT = 8000
 ENGINE_PORT_NAME = "http"
@@ -57,6 +62,16 @@ def disruption_budget_name(pool: str) -> str:
 
 def configmap_name(pool: str) -> str:
     return f"{pool}-engine"
+
+
+def engine_key_secret_name(pool: str) -> str:
+    """The Secret holding the API key the pool's engines require (``llmpool.fleet_key``)."""
+    return f"{pool}-engine-key"
+
+
+def demand_name(pool: str) -> str:
+    """The pool's LLMPoolDemand: the gateways record in its status what they hold for the pool."""
+    return pool
 
 
 def endpoint(pool: str, namespace: str) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import httpx
 
-from llmpool.load import Demand, parse_engine_gauges, replica_load
+from llmpool.load import Demand, held_for_pool, parse_engine_gauges, replica_load
 from llmpool.operator.fingerprints import DEFAULT_TIMEOUT_SECONDS, fetch_from_pods
 from llmpool.operator.views import PodView
 
@@ -38,13 +38,10 @@ async def replica_loads(
     return loads
 
 
-def pool_demand(
-    replicas: Mapping[str, float], annotations: Mapping[str, str] | None, now: float
-) -> float:
-    """What the pool must serve now: on its replicas plus held for it by a gateway."""
-    demand = Demand.from_annotations(annotations)
-    held = demand.held_at(now) if demand is not None else 0
-    return sum(replicas.values()) + held
+def pool_demand(replicas: Mapping[str, float], gateways: Mapping[str, Demand], now: float) -> float:
+    """What the pool must serve now: on its replicas plus held for it by the gateways (each
+    gateway replica's fresh record, ``llmpool.load.held_for_pool``)."""
+    return sum(replicas.values()) + held_for_pool(gateways, now)
 
 
 def deletion_costs(pods: Sequence[PodView], loads: Mapping[str, float]) -> dict[str, str]:

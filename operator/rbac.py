@@ -45,14 +45,15 @@ NAMESPACED_RULES = (
     Rule(
         ("apps",),
         ("deployments",),
-        ("list", "watch", "create", "patch"),
-        "server-side apply of engine Deployments; watch them for status",
+        ("get", "list", "watch", "create", "patch"),
+        "server-side apply of engine Deployments; watch them for status; get: is a Deployment of"
+        " the pool's name the pool's own",
     ),
     Rule(
         ("",),
         ("services",),
-        ("list", "watch", "create", "patch"),
-        "server-side apply of the pool's Service; watch it to restore it",
+        ("get", "list", "watch", "create", "patch"),
+        "server-side apply of the pool's Service; watch it to restore it; get: is it the pool's own",
     ),
     Rule(
         ("",),
@@ -61,10 +62,30 @@ NAMESPACED_RULES = (
         "read the user's chat template; server-side apply of the pool's copy; watch it to restore it",
     ),
     Rule(
+        ("",),
+        ("secrets",),
+        ("get", "list", "watch", "create", "patch"),
+        "server-side apply of the pool's engine-key Secret; watch it (label-selected) to restore"
+        " it; get: is a Secret of its name the pool's own",
+    ),
+    Rule(
         ("policy",),
         ("poddisruptionbudgets",),
-        ("list", "watch", "create", "patch"),
-        "server-side apply of the pool's PodDisruptionBudget; watch it to restore it",
+        ("get", "list", "watch", "create", "patch"),
+        "server-side apply of the pool's PodDisruptionBudget; watch it to restore it; get: is it"
+        " the pool's own",
+    ),
+    Rule(
+        (naming.GROUP,),
+        (naming.DEMAND_PLURAL,),
+        ("get", "list", "watch", "create", "patch"),
+        "server-side apply of the pool's LLMPoolDemand; watch the gateways' records in it",
+    ),
+    Rule(
+        (naming.GROUP,),
+        (f"{naming.DEMAND_PLURAL}/status",),
+        ("patch",),
+        "prune the records of gateway replicas long gone",
     ),
     Rule(
         ("",),

@@ -1,5 +1,5 @@
-"""The objects a pool owns (ConfigMap, Service, PodDisruptionBudget, Deployment), rendered as pure
-functions of its spec.
+"""The objects a pool owns (ConfigMap, engine-key Secret, Service, PodDisruptionBudget, Deployment,
+LLMPoolDemand), rendered as pure functions of its spec.
 
 Owner references and the namespace are added by the handler (``kopf.adopt``); everything else
 that reaches the API server is decided here.
@@ -7,11 +7,14 @@ that reaches the API server is decided here.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from typing import Any
 
-from llmpool import pinning
+from llmpool import fleet_key, pinning
 from llmpool.operator import naming
-from llmpool.operator.engine_args import engine_args
+from llmpool.operator.engine_args import engine_args, quantity_bytes
+from llmpool.operator.sizing import default_memory_limit
 from llmpool.operator.spec import PoolSpec
 
 ENGINE_USER_ID = 10001
@@ -21,6 +24,7 @@ PINNED_JSON_KEY = "pinned.json"
 PRESTOP_SLEEP_SECONDS = 5
 # After the drain (--shutdown-timeout): the last responses written, the engine thread joined.
 EXIT_MARGIN_SECONDS = 15
+ENGINE_KEY_HASH_CHARS = 16
 
 
 def render_configmap(pool: str, pinned: dict[str, Any], chat_template: str | None) -> dict:
@@ -37,6 +41,36 @@ def render_configmap(pool: str, pinned: dict[str, Any], chat_template: str | Non
         "kind": "ConfigMap",
         "metadata": {"name": naming.configmap_name(pool), "labels": naming.object_labels(pool)},
         "data": data,
+    }
+
+
+def render_engine_key_secret(pool: str, engine_key: str) -> dict:
+    """The key the pool's engines require on /v1 routes (``llmpool.fleet_key.pool_engine_key``)."""
+    encoded = base64.b64encode(engine_key.encode()).decode()
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": naming.engine_key_secret_name(pool),
+            "labels": naming.object_labels(pool),
+        },
+        "type": "Opaque",
+        "data": {fleet_key.ENGINE_KEY_FIELD: encoded},
+    }
+
+
+def engine_key_hash(engine_key: str) -> str:
+    """A short hash of the key for the pod template: it changes with the key, and tells nothing
+    of it (the key is an HMAC output; a 64-bit prefix of its sha256 cannot be inverted)."""
+    return hashlib.sha256(engine_key.encode()).hexdigest()[:ENGINE_KEY_HASH_CHARS]
+
+
+def render_demand(pool: str) -> dict:
+    """The pool's LLMPoolDemand: no spec; gateways write what they hold in its status."""
+    return {
+        "apiVersion": f"{naming.GROUP}/{naming.VERSION}",
+        "kind": naming.DEMAND_KIND,
+        "metadata": {"name": naming.demand_name(pool), "labels": naming.object_labels(pool)},
     }
 
 
@@ -142,9 +176,25 @@ def _engine_container(spec: PoolSpec, image: str) -> dict:
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    if spec.resources:
-        container["resources"] = dict(spec.resources)
+    resources = engine_resources(spec)
+    if resources:
+        container["resources"] = resources
     return container
+
+
+def engine_resources(spec: PoolSpec) -> dict[str, Any]:
+    """The spec's resources, with a default memory limit (``sizing.default_memory_limit``) when
+    the spec sets none: never below the spec's memory request, which a limit may not undercut."""
+    resources = {key: dict(value) for key, value in spec.resources.items()}
+    limits = resources.get("limits") or {}
+    default = default_memory_limit(spec)
+    if "memory" in limits or default is None:
+        return resources
+    request = (resources.get("requests") or {}).get("memory")
+    if request is not None and quantity_bytes(request) > quantity_bytes(default):
+        default = request
+    resources["limits"] = {**limits, "memory": default}
+    return resources
 
 
 def termination_grace_seconds(spec: PoolSpec) -> int:
@@ -154,15 +204,31 @@ def termination_grace_seconds(spec: PoolSpec) -> int:
 
 
 def render_deployment(
-    pool: str, spec: PoolSpec, digest: str, image: str, replicas: int | None = None
+    pool: str,
+    spec: PoolSpec,
+    digest: str,
+    image: str,
+    replicas: int | None = None,
+    engine_key: str | None = None,
 ) -> dict:
     """The engine Deployment; ``image`` is used when the spec names none, ``replicas`` (the
-    autoscaler's count) when given, else ``spec.replicas``.
+    autoscaler's count) when given, else ``spec.replicas``; with an ``engine_key`` (not in open
+    mode) the engine reads it from the pool's Secret as ``LLMPOOL_API_KEY``.
 
-    The pod template depends on the spec's engine settings and ``digest`` only, never on
-    ``replicas``, so scaling does not roll the pods while any pinned change does.
+    The pod template depends on the spec's engine settings, ``digest`` and the key's hash only,
+    never on ``replicas``, so scaling does not roll the pods while any pinned change does.
     """
     container = _engine_container(spec, image)
+    template_annotations = {naming.DIGEST_ANNOTATION: digest}
+    if engine_key is not None:
+        secret = naming.engine_key_secret_name(pool)
+        container["env"] = [
+            {
+                "name": fleet_key.ENGINE_KEY_ENV,
+                "valueFrom": {"secretKeyRef": {"name": secret, "key": fleet_key.ENGINE_KEY_FIELD}},
+            }
+        ]
+        template_annotations[naming.ENGINE_KEY_HASH_ANNOTATION] = engine_key_hash(engine_key)
     volumes: list[dict] = [{"name": "tmp", "emptyDir": {}}]
     if spec.chat_template is not None:
         volumes.append(
@@ -222,7 +288,7 @@ def render_deployment(
             "template": {
                 "metadata": {
                     "labels": naming.pod_labels(pool),
-                    "annotations": {naming.DIGEST_ANNOTATION: digest},
+                    "annotations": template_annotations,
                 },
                 "spec": pod_spec,
             },

@@ -10,6 +10,11 @@ from llmpool.operator.engine_args import quantity_bytes
 from llmpool.operator.spec import PoolSpec
 
 GPU_RESOURCE_SUFFIX = "/gpu"  # nvidia.com/gpu, amd.com/gpu
+# Host memory of an engine beyond its weights and KV cache: Python, torch, the tokenizer, step
+# activations, the HTTP server. An allowance, not a measurement: above the ~1.2 GiB that the
+# example pool's 2Gi limit leaves beside its float32 weights and 256Mi of KV cache.
+ENGINE_RUNTIME_BYTES = 1536 * 2**20
+MEBIBYTE = 2**20
 
 
 @dataclass(frozen=True)
@@ -18,14 +23,17 @@ class Sizing:
     problems: list[str] = field(default_factory=list)
 
 
+def on_gpu(spec: PoolSpec) -> bool:
+    resources = {**spec.resources.get("requests", {}), **spec.resources.get("limits", {})}
+    return any(name.endswith(GPU_RESOURCE_SUFFIX) for name in resources)
+
+
 def kv_dtype(spec: PoolSpec) -> str:
     """The KV-cache dtype a replica will use: ``auto`` follows the engine's dtype, which is
     bfloat16 on an accelerator and float32 on CPU (a pool without a GPU resource)."""
     if spec.kv_cache_dtype == "fp8":
         return "fp8"
-    resources = {**spec.resources.get("requests", {}), **spec.resources.get("limits", {})}
-    on_gpu = any(name.endswith(GPU_RESOURCE_SUFFIX) for name in resources)
-    return "bfloat16" if on_gpu else "float32"
+    return "bfloat16" if on_gpu(spec) else "float32"
 
 
 def builtin_shape(source: str) -> capacity.ModelShape | None:
@@ -65,3 +73,23 @@ def size_pool(spec: PoolSpec) -> Sizing:
     if problems:
         result["message"] = "; ".join(problems)
     return Sizing(result, problems)
+
+
+def default_memory_limit(spec: PoolSpec) -> str | None:
+    """The engine container's memory limit when the spec sets none: the weights as loaded,
+    before any quantization (float32 on CPU, the widest ``auto`` can pick), the KV cache when it
+    lives in host memory (CPU), and the runtime. None when that cannot be known: a model without
+    a known shape, or a CPU pool whose KV cache the engine sizes from the node (no
+    ``engine.kvCacheMemory``)."""
+    shape = builtin_shape(spec.source)
+    if shape is None:
+        return None
+    gpu = on_gpu(spec)
+    weights = capacity.weight_bytes(shape, "bfloat16" if gpu else "float32")
+    kv_cache = 0
+    if not gpu:
+        if spec.engine.kv_cache_memory is None:
+            return None
+        kv_cache = quantity_bytes(spec.engine.kv_cache_memory)
+    total = weights + kv_cache + ENGINE_RUNTIME_BYTES
+    return f"{-(-total // MEBIBYTE)}Mi"

@@ -10,6 +10,7 @@ from llmpool.operator import conditions as cond
 from llmpool.operator import naming
 from llmpool.operator.admission import Refusal
 from llmpool.operator.drift import DriftEntry, drifted_pods
+from llmpool.operator.served_names import served_name_condition
 from llmpool.operator.views import DeploymentView, PodView, Termination, owned_pods
 
 # The engine writes "RevisionMismatch: ..." to its termination log and exits with code 3 when
@@ -171,6 +172,9 @@ class Observation:
     blocked: Refusal | None = None
     # Set when policy Recreate gave up: what still differs after the allowed recreations.
     drift_persists: str | None = None
+    served_name: str = ""
+    # ``namespace/name`` of the pools of other namespaces that claim the same served name.
+    served_name_rivals: Sequence[str] = ()
 
 
 def compute_status(
@@ -208,6 +212,7 @@ def compute_status(
     elif cond.find(previous.get("conditions") or [], cond.DRIFTED) is None:
         message = "no replica has been checked yet"
         desired.append(cond.Condition(cond.DRIFTED, "Unknown", "NotChecked", message))
+    desired.append(served_name_condition(observation.served_name, observation.served_name_rivals))
 
     deployment = observation.deployment
     ready = deployment.ready_replicas if deployment else 0

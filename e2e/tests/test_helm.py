@@ -171,7 +171,7 @@ def can_i(cluster: ClusterHandle, service_account: str, *args: str) -> bool:
 
 def leftovers(cluster: ClusterHandle, namespaces: list[str]) -> list[str]:
     """Everything the release created that is still there ("kind/name")."""
-    kinds = "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings"
+    kinds = "deployments,replicasets,pods,services,serviceaccounts,configmaps,secrets,roles,rolebindings"
     found = []
     for namespace in namespaces:
         for kind in (kinds, "kopfpeerings"):
@@ -205,7 +205,8 @@ def pools_namespace(cluster: ClusterHandle, namespace: str) -> Iterator[str]:
 def crds(cluster: ClusterHandle) -> None:
     """The CRDs, as helm would install them from the chart's crds/ (already there is fine)."""
     cluster.kubectl("apply", "-f", str(CHART / "crds"))
-    cluster.kubectl("wait", "--for=condition=established", "crd/llmpools.llmpool.dev")
+    for crd in ("llmpools.llmpool.dev", "llmpooldemands.llmpool.dev"):
+        cluster.kubectl("wait", "--for=condition=established", f"crd/{crd}")
 
 
 def test_install_serve_upgrade_uninstall(
@@ -515,14 +516,17 @@ def test_the_operator_service_account_has_least_privilege(
             ("patch", "pods"),
             ("delete", "pods"),
             ("create", "events"),
+            # Each pool's engine-key Secret, and its LLMPoolDemand.
+            ("get", "secrets"),
+            ("patch", "secrets"),
+            ("watch", "llmpooldemands.llmpool.dev"),
+            ("patch", "llmpooldemands.llmpool.dev"),
         ]:
             assert can_i(cluster, sa, verb, resource, *served), f"cannot {verb} {resource}"
         assert can_i(cluster, sa, "patch", "llmpools.llmpool.dev", "--subresource=status", *served)
-        # Never secrets, never anything it does not manage, never escalation.
+        # Never a Secret deleted, never anything it does not manage, never escalation.
         for verb, resource in [
-            ("get", "secrets"),
-            ("list", "secrets"),
-            ("watch", "secrets"),
+            ("delete", "secrets"),
             ("create", "pods"),
             ("create", "pods/exec"),
             ("delete", "deployments.apps"),
@@ -547,19 +551,24 @@ def test_the_operator_service_account_has_least_privilege(
             assert not can_i(cluster, sa, verb, resource), f"can {verb} {resource}"
         elsewhere = can_i(cluster, sa, "watch", "llmpools.llmpool.dev", "-n", "kube-system")
         assert elsewhere == (scope == "clusterwide")
-        assert not can_i(cluster, sa, "get", "secrets", "-n", "kube-system")
-        # The gateway reads pools and their EndpointSlices, and patches pools only to record
-        # held requests (the demand annotation); never their status.
+        in_kube_system = can_i(cluster, sa, "get", "secrets", "-n", "kube-system")
+        assert in_kube_system == (scope == "clusterwide")
+        # The gateway reads pools and their EndpointSlices, and records held requests in the
+        # status of LLMPoolDemands only: it can change no pool, no spec.
         gateway = f"{namespace}:{FULLNAME}-gateway"
         for verb, resource in [
             ("watch", "llmpools.llmpool.dev"),
-            ("patch", "llmpools.llmpool.dev"),
             ("list", "endpointslices"),
         ]:
             assert can_i(cluster, gateway, verb, resource, *served), f"cannot {verb} {resource}"
+        demand = ["patch", "llmpooldemands.llmpool.dev", "--subresource=status"]
+        assert can_i(cluster, gateway, *demand, *served), "the gateway cannot record demand"
         status = ["patch", "llmpools.llmpool.dev", "--subresource=status"]
         assert not can_i(cluster, gateway, *status, *served), "the gateway can patch pool status"
         for verb, resource in [
+            ("patch", "llmpools.llmpool.dev"),
+            ("patch", "llmpooldemands.llmpool.dev"),
+            ("create", "llmpooldemands.llmpool.dev"),
             ("update", "llmpools.llmpool.dev"),
             ("create", "endpointslices"),
             ("get", "secrets"),

@@ -6,7 +6,8 @@ deleted pod and an eviction through the Eviction API (which honours the pool's
 PodDisruptionBudget). Every request must answer 200 with every token it asked for, every stream
 end with ``[DONE]``; the counts per phase are printed (``pytest -s``). Then, with the load
 stopped, a scale-down under uneven load must remove the idle replica and leave the busy one's
-generation whole (the operator keeps ``pod-deletion-cost`` in step with each pod's load).
+generation, longer than the old 30 s grace period, whole (the operator keeps
+``pod-deletion-cost`` in step with each pod's load).
 Last, a rollout replaces the only replica while it streams a generation longer than the old
 30 s grace period: the drain lets it finish whole, and the gateway holds the load's requests
 until the new replica is Ready.
@@ -21,7 +22,6 @@ import json
 import math
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +31,7 @@ import httpx
 import pytest
 import yaml
 from harness import ClusterHandle, GatewayProcess, OperatorProcess, pod_ready, wait_for
+from load import Load
 
 from llmpool.operator import naming
 
@@ -54,7 +55,7 @@ OLD_GRACE_SECONDS = 30  # the grace period before drains: SIGKILL came this long
 LONG_SECONDS = 40
 DRAIN_SECONDS = 240  # spec.rollout.drainSeconds (the example's 120 is tight for that on 2 cores)
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-LONG_TOKENS = 320  # the busy replica's generation in the scale-down under uneven load
+PROBE_TOKENS = 32  # a generation that measures an idle replica's rate
 
 
 def pool_documents() -> list[dict[str, Any]]:
@@ -73,76 +74,6 @@ def pool_documents() -> list[dict[str, Any]]:
     spec["rollout"]["drainSeconds"] = DRAIN_SECONDS
     spec.pop("resources", None)
     return documents
-
-
-class Load:
-    """``CLIENTS`` threads sending requests back to back through the gateway (every other one
-    streamed), each outcome counted under the phase current when it was sent."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.phase = "steady"
-        self.ok: Counter[str] = Counter()
-        self.failed: Counter[str] = Counter()
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-
-    def run(self, client: int) -> None:
-        sent = 0
-        timeout = httpx.Timeout(CLIENT_TIMEOUT_SECONDS, connect=10)
-        with httpx.Client(timeout=timeout) as http:
-            while not self._stop.is_set():
-                phase, stream = self.phase, (client + sent) % 2 == 1
-                prompt = f"Client {client} asks question {sent}:"
-                try:
-                    problem = self._one(http, prompt, stream)
-                except Exception as error:  # a malformed answer is a failure too
-                    problem = f"{type(error).__name__}: {error}"
-                with self._lock:
-                    if problem is None:
-                        self.ok[phase] += 1
-                    else:
-                        self.failed[phase] += 1
-                        kind = "stream" if stream else "request"
-                        self.failures.append(f"{phase}: {kind} {prompt!r}: {problem}")
-                sent += 1
-
-    def _one(self, http: httpx.Client, prompt: str, stream: bool) -> str | None:
-        """None when the answer is whole, else what was wrong with it."""
-        body = {
-            "model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "min_tokens": TOKENS,
-            "ignore_eos": True, "temperature": 0, "stream": stream,
-        }  # fmt: skip
-        if not stream:
-            response = http.post(f"{self.url}/v1/completions", json=body)
-            if response.status_code != 200:
-                return f"{response.status_code} {response.text[:300]}"
-            answer = response.json()
-            tokens = answer["usage"]["completion_tokens"]
-            reason = answer["choices"][0]["finish_reason"]
-            return None if (tokens, reason) == (TOKENS, "length") else f"{tokens} tokens, {reason}"
-        body["stream_options"] = {"include_usage": True}
-        with http.stream("POST", f"{self.url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                return f"{response.status_code} {response.read()[:300]!r}"
-            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-        if len(events) < 2 or events[-1] != "[DONE]":
-            return f"stream cut: {events[-2:]}"
-        last = json.loads(events[-2])
-        if "error" in last or (last.get("usage") or {}).get("completion_tokens") != TOKENS:
-            return f"stream ended with {events[-2][:300]}"
-        return None
-
-    def start(self, phase: str) -> None:
-        self.phase = phase
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def count(self, phase: str) -> int:
-        with self._lock:
-            return self.ok[phase] + self.failed[phase]
 
 
 # --------------------------------------------------------------------------- cluster helpers
@@ -329,7 +260,7 @@ def test_changes_under_steady_load_fail_no_request_and_scale_down_spares_the_bus
     wait_for("the gateway serving the pool", lambda: gateway.complete("Hi", MODEL)[0] == 200, 60, 1)
     print(f"\npool of {pods} serving after {time.monotonic() - began:.0f}s")
 
-    load = Load(gateway.url)
+    load = Load(gateway.url, MODEL, TOKENS, CLIENT_TIMEOUT_SECONDS)
     drift_seen: list[Any] = []
     rows: list[tuple[str, float, dict[str, float]]] = []
 
@@ -433,7 +364,11 @@ def test_changes_under_steady_load_fail_no_request_and_scale_down_spares_the_bus
     # Without deletion costs the ReplicaSet removes the replica Ready for the shortest time,
     # the newest: that is the one kept busy.
     busy, idle = pods[1], pods[0]
-    long = Generation(cluster, namespace, busy, LONG_TOKENS)
+    probe = Generation(cluster, namespace, busy, PROBE_TOKENS)
+    probe.run()
+    tokens = min(LONG_MODEL_LEN - 64, math.ceil(probe.rate * LONG_SECONDS))
+    print(f"{probe.rate:.1f} tokens/s on an idle replica: long generations ask {tokens} tokens")
+    long = Generation(cluster, namespace, busy, tokens)
     with ThreadPoolExecutor(1) as executor:
         generation = executor.submit(long.run)
         assert long.started.wait(60), "the long generation did not start"
@@ -446,22 +381,22 @@ def test_changes_under_steady_load_fail_no_request_and_scale_down_spares_the_bus
         annotations = cluster.get("pod", busy, "-n", namespace)["metadata"].get("annotations", {})
         cost = annotations.get(DELETION_COST)
         generation.result(timeout=CLIENT_TIMEOUT_SECONDS)
+    state = "was still running then" if running else "had ended by then"
     print(
         f"scale-down under uneven load: kept {survivors}, removed {idle} after"
-        f" {time.monotonic() - scaled_at:.0f}s; the busy replica's generation"
-        f" {'was still running then' if running else 'had ended by then'}; its deletion cost {cost}"
+        f" {time.monotonic() - scaled_at:.0f}s; the busy replica's generation of {tokens} tokens"
+        f" ({long.ended_at - long.first_at:.0f}s) {state}; its deletion cost {cost}"
     )
     assert survivors == [busy], f"the busy replica {busy} was removed, the idle {idle} kept"
+    assert running, "the long generation ended before the scale-down did: it proved nothing"
     long.check_whole()
     assert drift_seen == [], f"drift reported during the scale-down: {drift_seen}"
 
     # --- A rollout replaces the only replica while it generates for longer than the old grace
     # period: the drain lets the generation finish; the gateway holds what the pool gets
     # meanwhile until the new replica is Ready.
-    tokens = min(LONG_MODEL_LEN - 64, math.ceil(long.rate * LONG_SECONDS))
-    print(f"{long.rate:.1f} tokens/s: the next generation asks {tokens} tokens")
     longer = Generation(cluster, namespace, busy, tokens)
-    load = Load(gateway.url)
+    load = Load(gateway.url, MODEL, TOKENS, CLIENT_TIMEOUT_SECONDS)
     rows = []
     terminating: list[float] = []
     name = "rollout of 1"

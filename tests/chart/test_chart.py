@@ -6,6 +6,7 @@ Needs the helm binary: on PATH, or where the e2e build puts it
 
 from __future__ import annotations
 
+import base64
 import copy
 import functools
 import json
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from llmpool.fleet_key import FLEET_KEY_FILE_ENV
 from llmpool.operator import naming, rbac
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,6 +99,11 @@ VALUE_SETS = {
     "two replicas, debug": {"replicaCount": 2, "logLevel": "debug", "extraArgs": ["--priority=7"]},
     "standalone, no dashboard": {"peering": {"enabled": False}, "dashboard": {"enabled": False}},
     "existing service account": {"serviceAccount": {"create": False, "name": "ops"}},
+    "open mode, network policy": {
+        "fleetKey": {"enabled": False},
+        "watchNamespaces": ["team-a"],
+        "networkPolicy": {"enabled": True},
+    },
 }
 
 
@@ -276,7 +283,7 @@ def test_the_charts_rbac_data_file_is_generated_from_operator_rbac_py() -> None:
     assert data == rbac.chart_data()
 
 
-@pytest.mark.parametrize("name", ["llmpool.yaml", "kopf-peering.yaml"])
+@pytest.mark.parametrize("name", ["llmpool.yaml", "llmpooldemand.yaml", "kopf-peering.yaml"])
 def test_the_charts_crds_are_identical_to_crds(name: str) -> None:
     assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes()
 
@@ -415,3 +422,59 @@ def test_two_replicas_without_peering_fail_with_a_reason() -> None:
     )  # fmt: skip
     assert result.returncode != 0
     assert "needs peering.enabled" in result.stderr
+
+
+def test_the_fleet_key_is_a_random_secret_mounted_read_only_into_the_operator() -> None:
+    documents = render()
+    secret = one(documents, "Secret")
+    assert secret["metadata"]["name"] == f"{RELEASE}-llmpool-fleet-key"
+    assert len(base64.b64decode(secret["data"]["fleet-key"])) == 64
+    # Random per install (an upgrade reads the installed one back with lookup).
+    again = helm("template", RELEASE, str(CHART), "-n", NAMESPACE).stdout
+    assert secret["data"]["fleet-key"] not in again
+    pod = one(documents, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "fleet-key")
+    assert mount == {
+        "name": "fleet-key",
+        "mountPath": "/var/run/secrets/llmpool/fleet-key",
+        "readOnly": True,
+    }
+    volume = next(v for v in pod["volumes"] if v["name"] == "fleet-key")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[FLEET_KEY_FILE_ENV] == "/var/run/secrets/llmpool/fleet-key/fleet-key"
+
+
+def test_open_mode_has_no_fleet_key() -> None:
+    documents = render(fleetKey={"enabled": False})
+    assert not by_kind(documents, "Secret")
+    container = one(documents, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "env" not in container
+    assert [m["name"] for m in container["volumeMounts"]] == ["tmp"]
+
+
+def test_the_network_policy_admits_only_the_gateway_and_the_operator_to_engines() -> None:
+    assert not by_kind(render(), "NetworkPolicy")
+    documents = render(watchNamespaces=["team-a", "team-b"], networkPolicy={"enabled": True})
+    policies = by_kind(documents, "NetworkPolicy")
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
+    spec = policies[0]["spec"]
+    assert spec["podSelector"] == {"matchLabels": {naming.NAME_LABEL: naming.ENGINE_APP}}
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"port": naming.ENGINE_PORT, "protocol": "TCP"}]
+    components = sorted(
+        peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in rule["from"]
+    )
+    assert components == ["gateway", "operator"]
+    for peer in rule["from"]:
+        assert peer["namespaceSelector"] == {
+            "matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}
+        }
+    operator = one(documents, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert rule["from"][0]["podSelector"]["matchLabels"].items() <= operator.items()
+    failed = helm(
+        "template", RELEASE, str(CHART), *set_args({"networkPolicy": {"enabled": True}}),
+        check=False,
+    )  # fmt: skip
+    assert failed.returncode != 0 and "networkPolicy.enabled needs" in failed.stderr

@@ -26,9 +26,15 @@ pytestmark = chart.pytestmark  # skipped, as the other chart tests, without a he
 NAMESPACE, RELEASE = chart.NAMESPACE, chart.RELEASE
 GATEWAY = f"{RELEASE}-llmpool-gateway"
 READ = ["get", "list", "watch"]
-# Patch of llmpools: only to record held requests (annotation llmpool.dev/demand).
+# Never a write to a pool: held requests go to the status of the pool's LLMPoolDemand only.
+DEMAND_RULE = {
+    "apiGroups": [naming.GROUP],
+    "resources": [f"{naming.DEMAND_PLURAL}/status"],
+    "verbs": ["patch"],
+}
 EXPECTED_RULES = [
-    {"apiGroups": [naming.GROUP], "resources": [naming.PLURAL], "verbs": [*READ, "patch"]},
+    {"apiGroups": [naming.GROUP], "resources": [naming.PLURAL], "verbs": READ},
+    DEMAND_RULE,
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": READ},
 ]
 DEFAULT_ARGS = [
@@ -112,7 +118,7 @@ def test_replicas_and_resources_follow_the_values() -> None:
     assert deployment["spec"]["template"]["spec"]["containers"][0]["resources"] == resources
 
 
-def test_clusterwide_rbac_reads_pools_and_endpointslices_and_patches_pools_only() -> None:
+def test_clusterwide_rbac_reads_pools_and_endpointslices_and_writes_demand_status_only() -> None:
     objects = gateway_objects()
     (role,) = objects["ClusterRole"]
     assert role["rules"] == EXPECTED_RULES
@@ -139,10 +145,10 @@ def test_watched_namespaces_get_a_role_each_and_the_flags() -> None:
 def test_without_demand_records_the_gateway_only_reads_pools() -> None:
     objects = gateway_objects(gateway={"enabled": True, "recordDemand": False})
     (role,) = objects["ClusterRole"]
-    assert role["rules"][0]["verbs"] == READ
+    assert role["rules"] == [rule for rule in EXPECTED_RULES if rule != DEMAND_RULE]
     (deployment,) = objects["Deployment"]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args == [*DEFAULT_ARGS, "--no-demand-annotation"]
+    assert args == [*DEFAULT_ARGS, "--no-record-demand"]
 
 
 def test_disabled_renders_no_gateway_and_rbac_off_renders_no_rules() -> None:
@@ -166,13 +172,20 @@ def test_open_by_default_with_the_fleet_key_mounted_read_only() -> None:
     assert mount["readOnly"] is True
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
     assert volumes[mount["name"]]["secret"]["secretName"] == f"{RELEASE}-llmpool-fleet-key"
-    # Open: no key and no permission on Secrets.
+    # Open callers: no key and no permission on Secrets.
     assert not any(
         "secrets" in rule["resources"]
         for kind in ("Role", "ClusterRole")
         for role in objects.get(kind, [])
         for rule in role["rules"]
     )
+
+
+def test_without_a_fleet_key_the_engines_are_open_and_nothing_is_mounted() -> None:
+    (deployment,) = gateway_objects(fleetKey={"enabled": False})["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert "env" not in pod["containers"][0]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]
 
 
 def test_one_api_key_from_a_secret() -> None:

@@ -10,7 +10,7 @@ from llmpool.gateway.app import GatewaySettings
 from llmpool.gateway.demand import DemandReporter
 from llmpool.gateway.load import LoadTracker
 from llmpool.gateway.pools import Pool, PoolKey, PoolTable
-from llmpool.load import DEMAND_ANNOTATION, DEMAND_TTL_SECONDS, Demand
+from llmpool.load import Demand
 
 MODEL = "smollm2"
 POOL = Pool("team-a", "smollm2-chat", MODEL, "interactive", False, None, frozenset(), True)
@@ -51,17 +51,6 @@ def test_the_first_hold_is_due_at_once_then_refreshed_then_cleared_once() -> Non
     assert written() == [(POOL.key, Demand(held=0, at=clock.now))]
     clock.now += 60
     assert written() == []
-
-
-def test_the_annotation_round_trips_and_goes_stale() -> None:
-    demand = Demand(held=3, at=1_800_000_000.0)
-    annotations = {DEMAND_ANNOTATION: demand.to_annotation()}
-    assert Demand.from_annotations(annotations) == demand
-    assert demand.held_at(demand.at + DEMAND_TTL_SECONDS) == 3
-    assert demand.held_at(demand.at + DEMAND_TTL_SECONDS + 1) == 0
-    for junk in ("", "{", '{"held": "x", "at": "2027-01-15T08:00:00Z"}', '{"held": 1}', "[]"):
-        assert Demand.from_annotations({DEMAND_ANNOTATION: junk}) is None
-    assert Demand.from_annotations(None) is None
 
 
 def test_a_held_request_is_recorded_and_a_full_hold_queue_is_a_503(start_gateway) -> None:

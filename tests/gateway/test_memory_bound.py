@@ -134,7 +134,7 @@ def gateway_process(
     argv = [
         sys.executable, "-m", "llmpool.cli", "gateway", "--host", "127.0.0.1",
         "--port", str(unused_port), "--namespace", "team-a", "--api-key-namespace", "llmpool-system",
-        "--hold-timeout", str(HOLD_SECONDS), "--no-demand-annotation",
+        "--hold-timeout", str(HOLD_SECONDS), "--no-record-demand",
     ]  # fmt: skip
     with (tmp_path / "gateway.log").open("wb") as log:
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -8,6 +8,7 @@ real, its queue read back here. The e2e suite runs the same paths against a real
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import logging
@@ -19,7 +20,8 @@ import pytest
 from kopf._core.engines import posting
 from kubernetes.client import ApiException
 
-from llmpool.load import DEMAND_ANNOTATION, Demand
+from llmpool.fleet_key import FleetKey, pool_engine_key
+from llmpool.load import DEMAND_PRUNE_SECONDS, Demand
 from llmpool.operator import admission, handlers, kube
 from llmpool.operator.children import ChildView, child_view
 
@@ -48,6 +50,8 @@ class FakeApi:
         self.hold_deployment: asyncio.Event | None = None  # set: the next Deployment apply waits
         self.held = asyncio.Event()
         self.reject: dict[str, str] = {}  # kind -> the API server's message
+        self.existing: dict[str, dict[str, Any]] = {}  # "Kind/name" -> metadata of others' objects
+        self.demand_patches: list[dict[str, Any]] = []
 
     async def read_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.pool)
@@ -62,6 +66,16 @@ class FakeApi:
             self.held.set()
             await gate.wait()
         self.writes.append((obj["kind"], copy.deepcopy(obj)))
+
+    async def read_metadata(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        key = f"{kind}/{name}"
+        if key in self.existing:
+            return copy.deepcopy(self.existing[key])
+        view = self.children().get(key)
+        return copy.deepcopy(dict(view.body["metadata"])) if view is not None else None
+
+    async def patch_demand_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.demand_patches.append(copy.deepcopy(patch))
 
     async def patch_pool_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         status = self.pool.setdefault("status", {})
@@ -94,7 +108,15 @@ def api(chat_pool, chat_template, monkeypatch) -> FakeApi:
     pool = copy.deepcopy(chat_pool)
     pool["metadata"].update(namespace=NAMESPACE, uid=UID, generation=1)
     fake = FakeApi(pool, chat_template)
-    for name in ("read_pool", "apply", "patch_pool_status", "read_configmap_key", "annotate_pod"):
+    for name in (
+        "read_pool",
+        "apply",
+        "patch_pool_status",
+        "read_configmap_key",
+        "annotate_pod",
+        "read_metadata",
+        "patch_demand_status",
+    ):
         monkeypatch.setattr(kube, name, getattr(fake, name))
     return fake
 
@@ -122,7 +144,13 @@ def max_model_len(deployment: dict[str, Any]) -> str:
     return str(args[args.index("--max-model-len") + 1])
 
 
-async def converge(api: FakeApi, memo: kopf.Memo, observed: bool = True) -> None:
+async def converge(
+    api: FakeApi,
+    memo: kopf.Memo,
+    observed: bool = True,
+    demand: dict[str, Demand] | None = None,
+    claims: dict[str, list[tuple[str, str]]] | None = None,
+) -> None:
     """One pass of the handler or the timer (they call the same function)."""
     children = api.children() if observed else {}
     await handlers.converge(
@@ -130,7 +158,13 @@ async def converge(api: FakeApi, memo: kopf.Memo, observed: bool = True) -> None
         name=api.pool["metadata"]["name"],
         uid=UID,
         memo=memo,
-        observed=handlers.Observed(pods=[], deployment=None, children=children),
+        observed=handlers.Observed(
+            pods=[],
+            deployment=None,
+            children=children,
+            demand=demand or {},
+            served_name_claims=claims or {},
+        ),
     )
 
 
@@ -176,6 +210,7 @@ async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkey
         "ConfigMap",
         "Service",
         "PodDisruptionBudget",
+        "LLMPoolDemand",
         "Deployment",
         "status",
     }
@@ -286,9 +321,7 @@ async def test_an_autoscaled_pool_scales_from_zero_on_demand_without_a_restore_w
     reasons(events)
 
     # A gateway holds two requests for the pool: the next pass scales to one at once.
-    held = Demand(held=2, at=time.time()).to_annotation()
-    api.pool["metadata"].setdefault("annotations", {})[DEMAND_ANNOTATION] = held
-    await converge(api, memo)
+    await converge(api, memo, demand={"gateway-a": Demand(held=2, at=time.time())})
     assert [d["spec"]["replicas"] for d in api.deployments()] == [0, 1]
     status = api.pool["status"]["autoscaling"]
     assert (status["desiredReplicas"], status["reason"]) == (1, "ScaledFromZero")
@@ -348,3 +381,119 @@ async def test_a_scale_down_first_marks_the_idle_replica_cheapest_to_delete(
     await converge_with(costs)
     pods_written = [obj for kind, obj in api.writes[written:] if kind == "Pod"]
     assert pods_written == [{"name": "idle", "annotations": {cost: "2"}}]
+
+
+async def test_a_keyed_pool_gets_its_secret_before_its_deployment(api, tmp_path, monkeypatch):
+    events = capture_events()
+    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    key_file = tmp_path / "fleet-key"
+    key_file.write_text("fleet")
+    memo = kopf.Memo(fleet_key=FleetKey(key_file))
+    await converge(api, memo)
+    kinds = [kind for kind, _ in api.writes if kind != "status"]
+    assert kinds.index("Secret") < kinds.index("Deployment")
+    (secret,) = [obj for kind, obj in api.writes if kind == "Secret"]
+    key = pool_engine_key(b"fleet", NAMESPACE, "smollm2-chat")
+    assert base64.b64decode(secret["data"]["api-key"]).decode() == key
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert key not in json.dumps(api.deployments()) + json.dumps(api.pool["status"])
+    assert all(key not in event.message for event in drain(events))
+
+    # Edited by hand: restored, and the Event names the field, never the key.
+    live = api.children()
+    edited = copy.deepcopy(dict(live["Secret/smollm2-chat-engine-key"].body))
+    edited["data"]["api-key"] = base64.b64encode(b"guessed").decode()
+    live["Secret/smollm2-chat-engine-key"] = ChildView("Secret", "smollm2-chat-engine-key", edited)
+    written = len(api.writes)
+    await handlers.converge(
+        namespace=NAMESPACE,
+        name="smollm2-chat",
+        uid=UID,
+        memo=memo,
+        observed=handlers.Observed(pods=[], deployment=None, children=live),
+    )
+    assert [kind for kind, _ in api.writes[written:] if kind != "status"] == ["Secret"]
+    (restored,) = drain(events)
+    assert restored.reason == "SecretRestored" and ".data.api-key" in restored.message
+    assert key not in restored.message
+
+
+async def test_an_object_of_a_childs_name_that_is_not_the_pools_blocks_every_child(api):
+    events = capture_events()
+    api.existing["Service/smollm2-chat"] = {"name": "smollm2-chat", "labels": {"team": "web"}}
+    memo = kopf.Memo()
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes] == ["status"]  # nothing applied, nothing half-applied
+    degraded = next(c for c in api.pool["status"]["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "OwnershipConflict")
+    assert "Service smollm2-chat already exists" in degraded["message"]
+    assert degraded["observedGeneration"] == 1
+    assert reasons(events) == ["OwnershipConflict"]
+
+    # Checked again every pass, without a new Event; once the object is gone, the pool converges.
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes].count("Service") == 0
+    assert reasons(events) == []
+    del api.existing["Service/smollm2-chat"]
+    await converge(api, memo)
+    assert "Service" in [kind for kind, _ in api.writes]
+    degraded = next(c for c in api.pool["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"
+
+
+async def test_a_served_name_claimed_in_another_namespace_is_reported_on_the_pool(api):
+    events = capture_events()
+    memo = kopf.Memo()
+    claims = {"smollm2": [(NAMESPACE, "smollm2-chat"), ("other-team", "theirs")]}
+    await converge(api, memo, claims=claims)
+    conflict = next(
+        c for c in api.pool["status"]["conditions"] if c["type"] == "ServedNameConflict"
+    )
+    assert (conflict["status"], conflict["reason"]) == ("True", "ClaimedInOtherNamespaces")
+    assert "other-team/theirs" in conflict["message"]
+    assert "ClaimedInOtherNamespaces" in reasons(events)
+    await converge(api, memo, claims={"smollm2": [(NAMESPACE, "smollm2-chat")]})
+    assert reasons(events) == ["Unique"]
+
+
+async def test_records_of_gateways_long_gone_are_pruned(api):
+    capture_events()
+    now = time.time()
+    demand = {
+        "alive": Demand(held=1, at=now),
+        "gone": Demand(held=3, at=now - DEMAND_PRUNE_SECONDS - 1),
+    }
+    await converge(api, kopf.Memo(), demand=demand)
+    assert api.demand_patches == [{"gateways": {"gone": None}}]
+
+
+def drain(queue: asyncio.Queue[Any]) -> list[Any]:
+    found = []
+    while not queue.empty():
+        found.append(queue.get_nowait())
+    return found
+
+
+async def test_a_rotated_fleet_key_rolls_the_engines_with_one_normal_event(
+    api, tmp_path, monkeypatch
+):
+    events = capture_events()
+    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    key_file = tmp_path / "fleet-key"
+    key_file.write_text("fleet")
+    memo = kopf.Memo(fleet_key=FleetKey(key_file))
+    await converge(api, memo)
+    drain(events)
+    rotated = tmp_path / "rotated"
+    rotated.write_text("rotated")
+    rotated.replace(key_file)  # as the kubelet swaps a Secret volume's files
+    written = len(api.writes)
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes[written:] if kind != "status"] == [
+        "Secret",
+        "Deployment",
+    ]
+    assert [event.reason for event in drain(events)] == ["EngineKeyRotated"]
+    written = len(api.writes)
+    await converge(api, memo)
+    assert [kind for kind, _ in api.writes[written:] if kind != "status"] == []

@@ -208,7 +208,14 @@ def test_condition_schema_matches_the_operator(schema):
     assert set(item["required"]) == {"type", "status", "reason", "message", "lastTransitionTime"}
     assert "observedGeneration" in item["properties"]
     assert re.search(item["properties"]["reason"]["pattern"], "RevisionMismatch")
-    assert set(conditions.CONDITION_TYPES) == {"Ready", "Progressing", "Degraded", "Drifted"}
+    assert set(conditions.CONDITION_TYPES) == {
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "Drifted",
+        "ServedNameConflict",
+    }
+    assert "ServedNameConflict" in item["properties"]["type"]["description"]
 
 
 def test_examples_validate(schema, example_pools):

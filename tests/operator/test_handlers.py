@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import kopf
 
+from llmpool.operator import handlers
 from llmpool.operator.handlers import _drift_check_due, _restore_due, replica_change
 from llmpool.operator.spec import PoolSpec
 from llmpool.operator.views import pod_view
@@ -46,3 +47,40 @@ def test_restore_waits_for_the_index_to_see_a_fresh_apply(monkeypatch):
     assert not _restore_due(memo)
     now[0] += 10
     assert _restore_due(memo)
+
+
+INDEXES = {
+    name: {}
+    for name in (
+        "engine_pods",
+        "engine_deployments",
+        "child_configmaps",
+        "child_secrets",
+        "child_services",
+        "child_disruption_budgets",
+        "child_deployments",
+        "child_demands",
+        "gateway_demands",
+        "pools_by_served_name",
+    )
+}
+
+
+async def test_a_demand_record_wakes_its_pools_converge_with_the_pools_own_memo(monkeypatch):
+    runs = []
+
+    async def converge(**kwargs):
+        runs.append((kwargs["namespace"], kwargs["name"], kwargs["uid"], kwargs["memo"]))
+
+    monkeypatch.setattr(handlers, "converge", converge)
+    shared: dict = {}
+    pool_memo = kopf.Memo(pool_handles=shared)
+    handlers._register(pool_memo, "team", "chat", "uid-chat")
+    demand_memo = kopf.Memo(pool_handles=shared)  # another object's copy of the operator's memo
+    labels = {"llmpool.dev/pool": "chat"}
+    await handlers.demand_changed(namespace="team", labels=labels, memo=demand_memo, **INDEXES)
+    assert runs == [("team", "chat", "uid-chat", pool_memo)]
+    # A pool this operator has not seen (yet), or one deleted: nothing to wake.
+    handlers.forget(name="chat", namespace="team", memo=pool_memo)
+    await handlers.demand_changed(namespace="team", labels=labels, memo=demand_memo, **INDEXES)
+    assert len(runs) == 1

@@ -18,7 +18,8 @@ from llmpool.operator import kube
 CALLS: dict[str, Callable[[], Awaitable[Any]]] = {
     "read_pool": lambda: kube.read_pool("team", "chat"),
     "patch_pool_status": lambda: kube.patch_pool_status("team", "chat", {"replicas": 1}),
-    "annotate_pool": lambda: kube.annotate_pool("team", "chat", {"a": "b"}),
+    "patch_demand_status": lambda: kube.patch_demand_status("team", "chat", {"gateways": {}}),
+    "read_metadata": lambda: kube.read_metadata("Service", "team", "chat"),
     "read_configmap_key": lambda: kube.read_configmap_key("team", "chat", "template"),
     "annotate_pod": lambda: kube.annotate_pod("team", "chat-x", {"a": "b"}),
     "delete_pod": lambda: kube.delete_pod("team", "chat-x", "uid"),

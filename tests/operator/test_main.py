@@ -47,7 +47,13 @@ def test_handlers_register_with_kopf():
         "child_services",
         "child_configmaps",
         "child_disruption_budgets",
+        "child_secrets",
+        "child_demands",
+        "gateway_demands",
+        "pools_by_served_name",
     }
+    events = {h.id for h in registry._watching.get_all_handlers()}
+    assert "demand_changed" in events
 
 
 def policy(argv: list[str]) -> Policy:

@@ -45,7 +45,14 @@ def test_least_privilege():
         granted = allowed(rules)
         assert not any("*" in part for triple in granted for part in triple)
         resources = {resource for _, resource, _ in granted}
-        assert "secrets" not in resources
+        # Secrets: only to apply and restore each pool's engine-key Secret; never deleted.
+        assert {verb for _, r, verb in granted if r == "secrets"} == {
+            "get",
+            "list",
+            "watch",
+            "create",
+            "patch",
+        }
         assert not resources & {"namespaces", "customresourcedefinitions", "nodes", "roles"}
         assert not any(
             verb in ("delete", "deletecollection") for _, r, verb in granted if r != "pods"

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import base64
+import json
+
 import pytest
 
 from llmpool import pinning
+from llmpool.fleet_key import ENGINE_KEY_ENV, ENGINE_KEY_FIELD, pool_engine_key
 from llmpool.operator import naming
 from llmpool.operator.engine_args import engine_args
 from llmpool.operator.render import (
     render_configmap,
     render_deployment,
     render_disruption_budget,
+    render_engine_key_secret,
     render_service,
 )
+from llmpool.operator.sizing import default_memory_limit
 from llmpool.operator.spec import PoolSpec
 
 IMAGE = "registry.example/llmpool:1"
+DIGEST = "sha256:" + "d" * 64
 
 
 def render(spec: dict, template: str | None) -> dict:
@@ -231,3 +238,59 @@ def test_children_carry_the_pool_labels(chat_spec, chat_template):
     ):
         assert child["metadata"]["labels"]["llmpool.dev/pool"] == "chat"
         assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "llmpool-operator"
+
+
+def test_the_engine_key_comes_from_the_pools_secret_never_from_the_template(chat_spec):
+    key = pool_engine_key(b"fleet", "team", "chat")
+    spec = PoolSpec.from_dict(chat_spec)
+    secret = render_engine_key_secret("chat", key)
+    assert secret["metadata"]["name"] == "chat-engine-key"
+    assert secret["metadata"]["labels"] == naming.object_labels("chat")
+    assert base64.b64decode(secret["data"][ENGINE_KEY_FIELD]).decode() == key
+    deployment = render_deployment("chat", spec, DIGEST, IMAGE, engine_key=key)
+    assert engine_container(deployment)["env"] == [
+        {
+            "name": ENGINE_KEY_ENV,
+            "valueFrom": {"secretKeyRef": {"name": "chat-engine-key", "key": ENGINE_KEY_FIELD}},
+        }
+    ]
+    assert key not in json.dumps(deployment)
+    # A new fleet key rolls the pods (the engine reads its key at start); the same one does not.
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    rotated = render_deployment(
+        "chat", spec, DIGEST, IMAGE, engine_key=pool_engine_key(b"rotated", "team", "chat")
+    )
+    assert (
+        annotations[naming.ENGINE_KEY_HASH_ANNOTATION]
+        != (
+            rotated["spec"]["template"]["metadata"]["annotations"][
+                naming.ENGINE_KEY_HASH_ANNOTATION
+            ]
+        )
+    )
+    assert render_deployment("chat", spec, DIGEST, IMAGE, engine_key=key) == deployment
+    # Open mode: no key, no env, no annotation.
+    open_mode = render_deployment("chat", spec, DIGEST, IMAGE)
+    assert "env" not in engine_container(open_mode)
+    assert naming.ENGINE_KEY_HASH_ANNOTATION not in json.dumps(open_mode)
+
+
+def test_the_engine_reads_its_key_from_the_env_the_deployment_sets(monkeypatch):
+    from llmpool.engine.server.cli import build_parser
+
+    monkeypatch.setenv(ENGINE_KEY_ENV, "from-the-secret")
+    assert build_parser().parse_args(["builtin://x"]).api_key == "from-the-secret"
+
+
+def test_engine_pods_get_a_default_memory_limit_the_spec_overrides(chat_spec):
+    spec = {**chat_spec, "resources": {"requests": {"cpu": "1"}}}
+    limits = engine_container(render(spec, None))["resources"]["limits"]
+    assert limits == {"memory": default_memory_limit(PoolSpec.from_dict(spec))}
+    assert engine_container(render(spec, None))["resources"]["requests"] == {"cpu": "1"}
+    # The spec's own limit wins; a limit is never below the spec's request.
+    assert engine_container(render(chat_spec, None))["resources"] == chat_spec["resources"]
+    big = {**chat_spec, "resources": {"requests": {"memory": "64Gi"}}}
+    assert engine_container(render(big, None))["resources"]["limits"] == {"memory": "64Gi"}
+    # Unknown memory plan (a model without a known shape): no limit is guessed.
+    hf = {**spec, "model": {"source": "hf://org/model", "revision": "a" * 40}}
+    assert "limits" not in engine_container(render(hf, None))["resources"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llmpool import capacity
-from llmpool.operator.sizing import size_pool
+from llmpool.operator.sizing import ENGINE_RUNTIME_BYTES, default_memory_limit, size_pool
 from llmpool.operator.spec import PoolSpec
 
 SHAPE = capacity.BUILTIN_MODEL_SHAPES["smollm2-135m-instruct"]
@@ -48,3 +48,25 @@ def test_unknown_memory_and_unknown_models(chat_spec):
     assert "maxSequences" not in sizing.capacity and "kvCacheMemory" in sizing.capacity["message"]
     other = {**chat_spec, "model": {"source": "file:///m", "revision": "sha256:" + "1" * 64}}
     assert set(size_pool(PoolSpec.from_dict(other)).capacity) == {"message"}
+
+
+def test_default_memory_limit_covers_weights_kv_cache_and_runtime(chat_spec):
+    spec = {**chat_spec, "resources": {}}
+    weights = capacity.weight_bytes(SHAPE, "float32")  # the widest `auto` picks on a CPU
+    kv_cache = 256 * 2**20
+    expected = -(-(weights + kv_cache + ENGINE_RUNTIME_BYTES) // 2**20)
+    assert default_memory_limit(PoolSpec.from_dict(spec)) == f"{expected}Mi"
+    # Weights are loaded before they are quantized: quantization does not lower the limit.
+    int4 = PoolSpec.from_dict({**spec, "quantization": "int4"})
+    assert default_memory_limit(int4) == f"{expected}Mi"
+    # On a GPU the KV cache is device memory: the host holds the weights and the runtime.
+    gpu = PoolSpec.from_dict({**spec, "resources": {"limits": {"nvidia.com/gpu": 1}}})
+    gpu_weights = capacity.weight_bytes(SHAPE, "bfloat16")
+    assert default_memory_limit(gpu) == f"{-(-(gpu_weights + ENGINE_RUNTIME_BYTES) // 2**20)}Mi"
+
+
+def test_no_default_memory_limit_without_a_memory_plan(chat_spec):
+    no_kv = {**chat_spec, "resources": {}, "engine": {"maxNumSeqs": 8}}
+    assert default_memory_limit(PoolSpec.from_dict(no_kv)) is None
+    unknown = {**chat_spec, "model": {"source": "hf://org/model", "revision": "a" * 40}}
+    assert default_memory_limit(PoolSpec.from_dict(unknown)) is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmpool.operator import naming
+from llmpool.operator import naming, served_names
 from llmpool.operator.admission import Refusal
 from llmpool.operator.conditions import find
 from llmpool.operator.drift import DriftEntry
@@ -264,3 +264,27 @@ def test_rollout_state_counts_terminating_pods_out(make_pod, make_deployment):
 def test_no_ready_replica_means_drift_not_checked(make_pod, make_deployment):
     observation = observe(make_pod, make_deployment, [("a", {"ready": False})], drift=[])
     assert condition(status_of(observation), "Drifted") == ("Unknown", "NotChecked")
+
+
+def test_a_served_name_claimed_in_another_namespace_is_a_conflict(make_pod, make_deployment):
+    unique = status_of(observe(make_pod, make_deployment, [], served_name="smollm2"))
+    assert condition(unique, "ServedNameConflict") == ("False", "Unique")
+    rivals = served_names.rivals([("team", "chat"), ("b", "x"), ("a", "y")], "team")
+    assert rivals == ["a/y", "b/x"]
+    observation = observe(
+        make_pod, make_deployment, [], served_name="smollm2", served_name_rivals=rivals
+    )
+    status = status_of(observation)
+    assert condition(status, "ServedNameConflict") == ("True", "ClaimedInOtherNamespaces")
+    message = find(status["conditions"], "ServedNameConflict")["message"]
+    assert "'smollm2'" in message and "a/y, b/x" in message
+    # Reported even while the pool is blocked: a conflict is independent of its children.
+    blocked = observe(
+        make_pod,
+        make_deployment,
+        [],
+        served_name="smollm2",
+        served_name_rivals=rivals,
+        blocked=Refusal("OwnershipConflict", "Service chat already exists"),
+    )
+    assert condition(status_of(blocked), "ServedNameConflict")[0] == "True"

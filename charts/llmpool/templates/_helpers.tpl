@@ -69,3 +69,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "llmpool.engineSelector" -}}
 app.kubernetes.io/name: llmpool-engine
 {{- end -}}
+
+{{/* The fleet key's Secret (fleet-key.yaml), mounted into the operator and the gateway. */}}
+{{- define "llmpool.fleetKeySecretName" -}}
+{{- printf "%s-fleet-key" (include "llmpool.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Where the fleet key is mounted (LLMPOOL_FLEET_KEY_FILE is this plus /fleet-key). */}}
+{{- define "llmpool.fleetKeyDir" -}}
+/var/run/secrets/llmpool/fleet-key
+{{- end -}}
