@@ -2,8 +2,9 @@
 and two API key Secrets; the gateway (a local process, tenants from those Secrets) sends each key
 to its own pool only, and the engines take only their pool's key.
 
-The real operator serves both namespaces, with the fleet key from a file as the chart mounts it;
-the gateway reaches the pods by pod IP, and so does the direct call to an engine.
+The real operator serves both namespaces, with the fleet key from a file as the chart mounts it,
+so each pool's engines require their own key (from the pool's Secret); the gateway reaches the
+pods by pod IP, and so does the direct call to an engine.
 """
 
 from __future__ import annotations
@@ -33,11 +34,6 @@ ROOT = Path(__file__).resolve().parents[2]
 POOL = "smollm2-chat"
 ENGINE_START_SECONDS = 600  # first start converts the built-in GGUF model
 REQUESTS_PER_MINUTE = 3  # team b's limit
-# MERGE(i25-operator): engines get their pool's key (LLMPOOL_API_KEY from the Secret the
-# operator renders) only with the operator's part of issue 25. Until that is merged they answer
-# anyone, so the one assertion that a direct call without the key is refused is off. Set True
-# (or drop the flag) once merged.
-ENGINES_REQUIRE_POOL_KEYS = False
 
 
 def pool_object() -> dict[str, Any]:
@@ -227,10 +223,14 @@ def test_each_tenant_reaches_only_its_own_pool_and_engines_only_the_fleet(
             engine, json=body, headers={"Authorization": f"Bearer {pool_key}"}, timeout=60
         )
         assert keyed.status_code == 200, keyed.text
-        if ENGINES_REQUIRE_POOL_KEYS:
-            for headers in ({}, {"Authorization": "Bearer key-a"}):
-                direct = httpx.post(engine, json=body, headers=headers, timeout=60)
-                assert direct.status_code == 401, direct.text
+        other_pool_key = FleetKey(fleet_key).engine_key(team_b, POOL)
+        for headers in (
+            {},
+            {"Authorization": "Bearer key-a"},
+            {"Authorization": f"Bearer {other_pool_key}"},
+        ):
+            direct = httpx.post(engine, json=body, headers=headers, timeout=60)
+            assert direct.status_code == 401, direct.text
     finally:
         gateway.stop()
 
