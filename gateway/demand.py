@@ -7,6 +7,10 @@ records of several gateway replicas stand side by side and the operator adds the
 gateway may patch only that status, never an LLMPool. Writes are rate-limited: the first hold
 is written at once (a pool at zero scales up from it), then the record is refreshed every
 ``DEMAND_REFRESH_SECONDS`` while requests are held, and cleared once when none are.
+
+A count is taken as demand only if as many requests were held ``SETTLE_SECONDS`` earlier too:
+a client that sends and hangs up (fire and forget) is dropped within milliseconds of its hold,
+so a burst of them never reaches the autoscaler and leaves the pool at its minimum.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 DemandWriter = Callable[[PoolKey, Demand], Awaitable[None]]
 CHECK_SECONDS = 1.0  # how often held counts are compared with what was last written
+SETTLE_SECONDS = 0.5  # a count must hold this long to be demand
 
 
 class DemandReporter:
@@ -49,12 +54,18 @@ class DemandReporter:
         """A request was just held: report without waiting for the next check."""
         self._wake.set()
 
-    def due(self) -> list[tuple[PoolKey, Demand]]:
-        """The records to write now; each is taken as written (a failed write is retried later)."""
+    def held_counts(self) -> dict[PoolKey, int]:
+        return {pool.key: self.tracker.held_count(pool) for pool in self.table.pools()}
+
+    def due(self, earlier: dict[PoolKey, int] | None = None) -> list[tuple[PoolKey, Demand]]:
+        """The records to write now; each is taken as written (a failed write is retried later).
+        ``earlier``: the held counts ``SETTLE_SECONDS`` ago; only what was held then too counts."""
         now = self.clock()
         writes = []
         for pool in self.table.pools():
             held = self.tracker.held_count(pool)
+            if earlier is not None:
+                held = min(held, earlier.get(pool.key, 0))
             last = self._written.get(pool.key)
             last_held = last.held if last else 0
             stale = last is None or now - last.at >= self.refresh
@@ -68,7 +79,9 @@ class DemandReporter:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), CHECK_SECONDS)
             self._wake.clear()
-            for key, demand in self.due():
+            earlier = self.held_counts()
+            await asyncio.sleep(SETTLE_SECONDS)
+            for key, demand in self.due(earlier):
                 try:
                     await self.write(key, demand)
                 except Exception as error:  # a hint, not a request: log it and try again later

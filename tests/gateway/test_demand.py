@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
+import time
+from urllib.parse import urlsplit
 
 import httpx
 
 from llmpool.gateway.app import GatewaySettings
-from llmpool.gateway.demand import DemandReporter
+from llmpool.gateway.demand import CHECK_SECONDS, SETTLE_SECONDS, DemandReporter
 from llmpool.gateway.load import LoadTracker
 from llmpool.gateway.pools import Pool, PoolKey, PoolTable
 from llmpool.load import Demand
@@ -90,3 +94,38 @@ def test_a_scaled_to_zero_pool_is_listed(start_gateway) -> None:
     gateway = start_gateway(table)
     listed = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in listed] == [MODEL]
+
+
+def test_fire_and_forget_requests_never_become_demand(start_gateway) -> None:
+    """256 clients send a request for a pool at zero and hang up at once: each is admitted, held
+    and dropped, and no demand is recorded, so the autoscaler leaves the pool at its minimum."""
+    table = PoolTable()
+    table.set_pool(POOL)
+    records: list[Demand] = []
+
+    async def record(key: PoolKey, demand: Demand) -> None:
+        records.append(demand)
+
+    gateway = start_gateway(table, GatewaySettings(hold_timeout=60, max_held=256), record)
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 1}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Length: {len(body)}\r\n"
+    request = (head + "Content-Type: application/json\r\n\r\n").encode() + body
+    address = urlsplit(gateway.url)
+    for _ in range(256):
+        with socket.create_connection((address.hostname, address.port)) as client:
+            client.sendall(request)
+
+    def admitted() -> float:
+        return gateway.metrics().get(
+            'llmpool_gateway:tenant_requests_total{outcome="admitted",tenant="open"}', 0.0
+        )
+
+    deadline = time.monotonic() + 30
+    while admitted() < 256 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert admitted() == 256
+    while gateway.gateway.tracker.held_count(POOL) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gateway.gateway.tracker.held_count(POOL) == 0
+    time.sleep(3 * (SETTLE_SECONDS + CHECK_SECONDS))  # every check that could have counted them
+    assert [d.held for d in records if d.held] == []
