@@ -15,10 +15,13 @@ from llmpool.engine.server.protocol import bad_request
 from llmpool.engine.server.tool_calls import Function, hermes_messages, template_messages
 
 # Text of more than this many characters per token of the context window is first tokenized in
-# part: when that part alone overflows the window, the prompt is refused without tokenizing the
-# rest (a 16 MiB body of text takes ~20 s of CPU to tokenize whole). Tokens average ~4
-# characters, so a prompt that fits is never cut.
+# growing parts (each PROBE_GROWTH times the last): once a part alone overflows the window, the
+# prompt is refused without tokenizing the rest (16 MiB of text takes ~20 s of CPU to tokenize
+# whole). Tokens average ~4 characters, so a prompt that fits is rarely probed, and one that
+# does not costs at most a few times the characters that fill the window, whatever its length
+# (a run of spaces is ~64 characters per token).
 PROBE_CHARS_PER_TOKEN = 16
+PROBE_GROWTH = 4
 
 
 class PromptBuilder:
@@ -70,7 +73,7 @@ class PromptBuilder:
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         probe = self.max_model_len * PROBE_CHARS_PER_TOKEN
-        if len(text) > probe:
+        while probe < len(text):
             head = self.tokenizer.encode(text[:probe], add_special_tokens=add_special_tokens)
             if len(head) > self.max_model_len:
                 raise bad_request(
@@ -80,4 +83,5 @@ class PromptBuilder:
                     param=param,
                     code="context_length_exceeded",
                 )
+            probe *= PROBE_GROWTH
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

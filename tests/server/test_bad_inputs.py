@@ -268,8 +268,11 @@ def test_call_arguments_nested_past_the_recursion_limit_are_not_a_500(http: http
         assert assert_openai_error(response, 400)["code"] == "context_length_exceeded"
 
 
-def test_a_huge_prompt_is_refused_from_its_start_alone(http: httpx.Client) -> None:
-    prompt = "hello " * 2_000_000  # 12 MB: tokenizing it whole would take the CPU for seconds
+# 12 MB each: tokenizing one whole would take the CPU for seconds; spaces are ~64 to a token.
+@pytest.mark.parametrize(
+    "prompt", ["hello " * 2_000_000, " " * 12_000_000], ids=["words", "spaces"]
+)
+def test_a_huge_prompt_is_refused_from_its_start_alone(http: httpx.Client, prompt: str) -> None:
     response = http.post("/v1/completions", json={**COMPLETION, "prompt": prompt})
     error = assert_openai_error(response, 400)
     assert error["code"] == "context_length_exceeded" and f"{len(prompt):,}" in error["message"]
