@@ -359,7 +359,11 @@ class OpenAIServer:
             stream.abort()
         if choices is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(builder.response(choices, prompt_tokens))
+        # Up to --max-response-tokens entries, each decoded and serialized: seconds of Python
+        # at the bound, so built in a thread while the loop keeps answering.
+        return await asyncio.to_thread(
+            lambda: JSONResponse(builder.response(choices, prompt_tokens))
+        )
 
     async def _collect(
         self, request: Request, stream: RequestStream, count: int

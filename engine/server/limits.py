@@ -28,10 +28,11 @@ MAX_JSON_DEPTH = 64
 # accepted, as OpenAI clients send them; together they may hold this much JSON.
 MAX_UNKNOWN_FIELDS_BYTES = 64 * 1024
 # Token entries a non-streamed response may hold: each choice's tokens, each with its top
-# logprobs. 2**20 is n=128 choices of 8,192 tokens, or 8 of 6,241 tokens with 20 top_logprobs;
-# in Python objects a chat entry with its logprob costs ~0.5 KB while the response is built.
+# logprobs. 2**19 is n=64 choices of 8,192 tokens, or 3 of 8,192 tokens with 20 top_logprobs.
+# A chat response of 2**20 entries with 20 top_logprobs took 15 s of Python to build and 560 MiB
+# at its peak (83 MiB of JSON), so this bound keeps one request near 280 MiB.
 # ``llmpool serve --max-response-tokens`` sets it.
-DEFAULT_MAX_RESPONSE_TOKENS = 2**20
+DEFAULT_MAX_RESPONSE_TOKENS = 2**19
 # A stream holds one token's entries at a time, so it may carry this many times as many: the
 # bound is then on the engine and event-loop work one request can claim, not on memory.
 STREAMED_RESPONSE_FACTOR = 16
