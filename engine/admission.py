@@ -55,11 +55,12 @@ def admit(
     vocab = limits.vocab_size
     if not all(0 <= token < vocab for token in prompt_token_ids):
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-    if not all(0 <= token < vocab for token in params.stop_token_ids):
+    # SamplingParams refused negative ids; the largest is enough (and shared by the choices).
+    if max(params.stop_token_set, default=0) >= vocab:
         raise InvalidRequestError(
             f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids"
         )
-    if not all(0 <= token < vocab for token in params.logit_bias):
+    if params.logit_bias and int(params.logit_bias_ids.max()) >= vocab:
         raise InvalidRequestError(
             f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias"
         )

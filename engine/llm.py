@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -120,10 +119,7 @@ def _children(params: SamplingParams) -> list[SamplingParams]:
     """``n`` samples of one prompt run as ``n`` requests; seeded ones get consecutive seeds."""
     if params.n == 1:
         return [params]
-    return [
-        replace(params, n=1, seed=None if params.seed is None else params.seed + child)
-        for child in range(params.n)
-    ]
+    return [params.for_choice(child) for child in range(params.n)]
 
 
 def _per_prompt(

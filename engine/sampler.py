@@ -53,14 +53,13 @@ class Sampler:
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """OpenAI's logit_bias: added to the raw logits, before penalties and sampling."""
-        rows, columns, values = [], [], []
-        for row, p in enumerate(params):
-            rows += [row] * len(p.logit_bias)
-            columns += list(p.logit_bias)
-            values += list(p.logit_bias.values())
+        """OpenAI's logit_bias: added to the raw logits, before penalties and sampling; each
+        request's ids and biases are tensors built once with its params."""
+        rows = torch.repeat_interleave(torch.tensor([len(p.logit_bias) for p in params]))
+        columns = torch.cat([p.logit_bias_ids for p in params])
+        values = torch.cat([p.logit_bias_values for p in params]).to(logits.dtype)
         logits = logits.clone()
-        logits[rows, columns] += torch.tensor(values, dtype=logits.dtype)
+        logits[rows, columns] += values
         return logits
 
     @staticmethod
@@ -70,9 +69,9 @@ class Sampler:
         for row, request in enumerate(requests):
             params = request.sampling_params
             if request.num_output_tokens < params.min_tokens:
-                banned = set(params.stop_token_ids)
+                banned = params.stop_token_set
                 if not params.ignore_eos:
-                    banned |= request.eos_token_ids
+                    banned = banned | request.eos_token_ids
                 rows += [row] * len(banned)
                 columns += list(banned)
         if rows:

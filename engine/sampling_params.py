@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
+
+import torch
 
 from llmpool.engine.structured_outputs import StructuredOutputsParams
 
@@ -43,6 +46,11 @@ class SamplingParams:
     # The output must match this grammar: tokens it does not allow are masked at sampling, and
     # the request stops when the grammar is complete.
     structured_outputs: StructuredOutputsParams | None = None
+    # Built once from the lists above and shared by every choice's copy (``for_choice``), so
+    # that neither admission nor the scheduler and sampler at each step walk the lists again.
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
+    logit_bias_ids: torch.Tensor = field(init=False, repr=False, compare=False)
+    logit_bias_values: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +58,20 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        self.stop_token_set = frozenset(self.stop_token_ids)
+        # A few hundred entries at most: too small for torch to start a parallel region (and an
+        # OpenMP team) on the thread that builds the params.
+        self.logit_bias_ids = torch.tensor(list(self.logit_bias), dtype=torch.int64)
+        self.logit_bias_values = torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of choice ``index`` of ``n``: one sequence, seed + index when seeded. A
+        shallow copy, so the lists and what was built from them are shared, not checked again."""
+        choice = copy.copy(self)
+        choice.n = 1
+        if self.seed is not None:
+            choice.seed = self.seed + index
+        return choice
 
     def _validate(self) -> None:
         numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
@@ -90,8 +112,9 @@ class SamplingParams:
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (
-                self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
-                f"seed must be a 64-bit integer, between {SEED_RANGE[0]} and {SEED_RANGE[1]}",
+                self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1] - (self.n - 1),
+                f"seed must be a 64-bit integer, between {SEED_RANGE[0]} and {SEED_RANGE[1]}"
+                " less n - 1 (choice i uses seed + i)",
             ),
             (
                 all(token >= 0 for token in self.stop_token_ids),

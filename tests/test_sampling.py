@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from llmpool.engine import LLM, SamplingParams
+from llmpool.engine.request import Request
+from llmpool.engine.sampler import Sampler
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 
@@ -157,3 +160,24 @@ def test_bad_parameters_are_refused_before_queueing(llm: LLM) -> None:
     with pytest.raises(ValueError, match="maximum context length is 1,024"):
         llm.generate([[5] * 1024], SamplingParams(max_tokens=1))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_choices_share_their_params_lists_and_logit_bias_applies_per_row() -> None:
+    """``for_choice`` copies share the sets and tensors built once; rows without a bias (or with
+    another one) in the same batch are left alone."""
+    biased = SamplingParams(n=3, seed=7, logit_bias={3: 100.0, 5: -100.0}, stop_token_ids=[9, 9])
+    choices = [biased.for_choice(i) for i in range(biased.n)]
+    assert [c.seed for c in choices] == [7, 8, 9] and all(c.n == 1 for c in choices)
+    assert all(c.stop_token_set is biased.stop_token_set == {9} for c in choices)
+    assert all(c.logit_bias_ids is biased.logit_bias_ids for c in choices)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(n=2, seed=2**64 - 1)
+    other = SamplingParams(logit_bias={0: 100.0})
+    rows = [choices[0], SamplingParams(temperature=0), other, choices[1]]
+    requests = [Request(f"r{i}", [1], p, frozenset()) for i, p in enumerate(rows)]
+    logits = torch.zeros(len(rows), 8)
+    biased_logits = Sampler._apply_logit_bias(logits, [r.sampling_params for r in requests])
+    expected = torch.zeros(len(rows), 8)
+    expected[[0, 3], 3], expected[[0, 3], 5], expected[2, 0] = 100.0, -100.0, 100.0
+    assert torch.equal(biased_logits, expected)
+    assert Sampler()(logits, requests).token_ids == [3, 0, 0, 3]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,6 +32,7 @@ from llmpool.engine.server.async_engine import (
 from llmpool.engine.server.constraints import Constraint, OutputSpec, parse_output_spec
 from llmpool.engine.server.fingerprint import build_fingerprint
 from llmpool.engine.server.http import openai_endpoint, read_body
+from llmpool.engine.server.limits import DEFAULT_MAX_RESPONSE_TOKENS
 from llmpool.engine.server.metrics import EngineMetrics
 from llmpool.engine.server.prompts import PromptBuilder
 from llmpool.engine.server.protocol import (
@@ -51,6 +53,7 @@ from llmpool.engine.structured_outputs import GrammarError, StructuredOutputsPar
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = "1"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class ServerSettings:
     max_queue: int = 1000
     stats_interval: float = 10.0
     tool_call_parser: str | None = None  # hermes, llama3_json or mistral; None: from the template
+    # Token entries a non-streamed response may hold (limits.DEFAULT_MAX_RESPONSE_TOKENS).
+    max_response_tokens: int = DEFAULT_MAX_RESPONSE_TOKENS
 
 
 class _SSEResponse(StreamingResponse):
@@ -118,7 +123,12 @@ class OpenAIServer:
         core.structured_outputs.on_compile = self.metrics.on_grammar_compiled
         self.engine = AsyncEngine(core, settings.max_queue, self.metrics)
         chat_template = settings.chat_template.decode("utf-8") if settings.chat_template else None
-        self.prompts = PromptBuilder(core.tokenizer, chat_template)
+        self.prompts = PromptBuilder(core.tokenizer, chat_template, core.max_model_len)
+        # Parsing, checking and tokenizing a body grow with its size (seconds for 16 MiB of
+        # text), so they run here rather than on the event loop, which must keep answering
+        # /health and streaming tokens. One thread, as in vLLM: it holds the GIL only in
+        # Python (the tokenizer releases it), and the engine thread keeps the CPU otherwise.
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self.tool_call_parser = settings.tool_call_parser or detect_parser(
             self.prompts.chat_template
         )
@@ -152,6 +162,7 @@ class OpenAIServer:
         finally:
             stats_task.cancel()
             await self.engine.shutdown()
+            self._prepare_pool.shutdown(wait=False, cancel_futures=True)
             logger.info("engine loop stopped")
 
     async def drain(self, timeout: float) -> None:
@@ -198,33 +209,47 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = parse_json_body(await read_body(request))
-        parsed = parse_completion_request(body)
-        output = parse_output_spec(body, chat=False)
-        self._check_model(parsed.model)
+        raw = await read_body(request)
+        parsed, output, prompts = await self._off_loop(self._prepare_completion, raw)
         structured_outputs = await self._compile(output.constraint)
-        prompts = [self.prompts.completion_ids(p) for p in parsed.prompts]
         return await self._generate(
             request, "completion", "cmpl", parsed, prompts, arrival, structured_outputs
         )
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = parse_json_body(await read_body(request))
+        raw = await read_body(request)
+        parsed, output, prompt = await self._off_loop(self._prepare_chat, raw)
+        structured_outputs = await self._compile(output.constraint)
+        return await self._generate(
+            request, "chat", "chatcmpl", parsed, [prompt], arrival, structured_outputs,
+            self._tool_call_shaper(output),
+        )  # fmt: skip
+
+    async def _off_loop(self, prepare: Callable[[bytes], T], raw: bytes) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare, raw)
+
+    def _prepare_completion(
+        self, raw: bytes
+    ) -> tuple[CompletionRequest, OutputSpec, list[list[int]]]:
+        body = parse_json_body(raw)
+        parsed = parse_completion_request(body)
+        output = parse_output_spec(body, chat=False)
+        self._check_model(parsed.model)
+        return parsed, output, [self.prompts.completion_ids(p) for p in parsed.prompts]
+
+    def _prepare_chat(self, raw: bytes) -> tuple[ChatRequest, OutputSpec, list[int]]:
+        body = parse_json_body(raw)
         parsed = parse_chat_request(body)
         output = parse_output_spec(body, chat=True)
         self._check_model(parsed.model)
-        structured_outputs = await self._compile(output.constraint)
         offers_tools = output.tool_choice.mode != "none"
         prompt = self.prompts.chat_ids(
             parsed.messages,
             parsed.add_generation_prompt,
             output.functions if offers_tools else None,
         )
-        return await self._generate(
-            request, "chat", "chatcmpl", parsed, [prompt], arrival, structured_outputs,
-            self._tool_call_shaper(output),
-        )  # fmt: skip
+        return parsed, output, prompt
 
     async def _compile(self, constraint: Constraint | None) -> StructuredOutputsParams | None:
         """Compile the request's grammar off the event loop (it may take milliseconds), so that
@@ -253,19 +278,32 @@ class OpenAIServer:
         prompts: list[list[int]],
         structured_outputs: StructuredOutputsParams | None,
     ) -> list[ChildRequest]:
-        """``n`` children per prompt; with a seed, choice ``i`` uses ``seed + i`` as LLM does."""
+        """``n`` children per prompt; with a seed, choice ``i`` uses ``seed + i`` as LLM does.
+
+        The params are checked once per prompt and shared by its choices (``for_choice``).
+        """
+        max_tokens = [self._max_tokens(parsed, len(prompt)) for prompt in prompts]
+        parsed.check_response_size(
+            [
+                self._most_tokens(tokens, len(prompt))
+                for tokens, prompt in zip(max_tokens, prompts, strict=True)
+            ],
+            self.settings.max_response_tokens,
+        )
         children = []
-        for prompt in prompts:
-            max_tokens = self._max_tokens(parsed, len(prompt))
-            params = parsed.sampling_params(max_tokens, structured_outputs)
-            for index in range(parsed.n):
-                child_params = params
-                if params.seed is not None and parsed.n > 1:
-                    child_params = replace(params, seed=params.seed + index)
-                children.append(
-                    ChildRequest(prompt, child_params, parsed.priority, parsed.cache_salt)
-                )
+        for prompt, tokens in zip(prompts, max_tokens, strict=True):
+            params = parsed.sampling_params(tokens, structured_outputs)
+            children += [
+                ChildRequest(prompt, params.for_choice(index), parsed.priority, parsed.cache_salt)
+                for index in range(parsed.n)
+            ]
         return children
+
+    def _most_tokens(self, max_tokens: int | None, num_prompt_tokens: int) -> int:
+        """What a choice may generate at most: its max_tokens, or else up to the context's end
+        (0 for a prompt that leaves no room: the engine refuses it, naming its length)."""
+        room = max(self.core.max_model_len - num_prompt_tokens, 0)
+        return room if max_tokens is None else min(max_tokens, room)
 
     def _max_tokens(self, parsed: GenerationRequest, num_prompt_tokens: int) -> int | None:
         """An explicit max_tokens must fit beside the prompt; a default one is clipped to fit."""
@@ -297,6 +335,13 @@ class OpenAIServer:
         tool_calls: ToolCallShaper | None = None,
     ) -> Response:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        sequences = parsed.n * len(prompts)
+        if sequences > self.engine.max_queue:  # a 429 would have it retried forever
+            raise bad_request(
+                f"this request runs {sequences:,} sequences (n × prompts); this server queues"
+                f" at most {self.engine.max_queue:,}",
+                param="n",
+            )
         children = self._children(parsed, prompts, structured_outputs)
         try:
             stream = await self.engine.submit(request_id, children, arrival)
@@ -314,7 +359,11 @@ class OpenAIServer:
             stream.abort()
         if choices is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(builder.response(choices, prompt_tokens))
+        # Up to --max-response-tokens entries, each decoded and serialized: seconds of Python
+        # at the bound, so built in a thread while the loop keeps answering.
+        return await asyncio.to_thread(
+            lambda: JSONResponse(builder.response(choices, prompt_tokens))
+        )
 
     async def _collect(
         self, request: Request, stream: RequestStream, count: int

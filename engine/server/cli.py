@@ -22,6 +22,7 @@ from llmpool.engine.config import QUANTIZATIONS, EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.model_source import RevisionMismatchError
 from llmpool.engine.server.app import ServerSettings, build_app
+from llmpool.engine.server.limits import DEFAULT_MAX_RESPONSE_TOKENS, STREAMED_RESPONSE_FACTOR
 from llmpool.engine.server.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("llmpool.serve")
@@ -157,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
     )
     flags.add(
+        "--max-response-tokens",
+        "most token entries one response not streamed may hold: n choices x max_tokens x (1 +"
+        " top logprobs), over its prompts; streamed ones may hold"
+        f" {STREAMED_RESPONSE_FACTOR}x as many; beyond it a request is refused with 400",
+        type=int, default=DEFAULT_MAX_RESPONSE_TOKENS,
+    )  # fmt: skip
+    flags.add(
         "--stats-interval", "seconds between engine stats log lines", type=float, default=10.0
     )
     flags.add(
@@ -264,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         logger.error("cannot start: %s", error)
         return EXIT_BAD_ARGUMENTS
+    if args.max_response_tokens < 1:
+        logger.error(
+            "cannot start: --max-response-tokens must be positive, got %d",
+            args.max_response_tokens,
+        )
+        return EXIT_BAD_ARGUMENTS
     if args.max_queue < 0:
         logger.error("cannot start: --max-queue must be non-negative, got %d", args.max_queue)
         return EXIT_BAD_ARGUMENTS
@@ -283,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queue=args.max_queue,
         stats_interval=args.stats_interval,
         tool_call_parser=args.tool_call_parser,
+        max_response_tokens=args.max_response_tokens,
     )
     app = build_app(core, settings)
     server = DrainingServer(

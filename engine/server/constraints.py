@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmpool.engine.server.limits import MAX_TOOLS, nesting_depth
 from llmpool.engine.server.protocol import bad_request
 from llmpool.engine.server.tool_calls import EMPTY_PARAMETERS, Function, ToolChoice, forced_schema
 from llmpool.engine.structured_outputs import MAX_CHOICES, MAX_SPEC_BYTES, StructuredOutputsParams
 
-MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = MAX_SPEC_BYTES  # a schema serialized as compact JSON
 MAX_SCHEMA_DEPTH = 32  # objects and arrays nested in a schema's JSON
 MAX_CHOICE_CHARS = 4096  # one string of structured_outputs.choice
@@ -184,7 +184,7 @@ def _schema(value: Any, where: str, param: str) -> dict[str, Any]:
     """A JSON schema object within the depth and size bounds, and serializable as JSON text."""
     if not isinstance(value, dict):
         raise bad_request(f"{where} must be a JSON schema object", param=param)
-    depth = _depth(value)
+    depth = nesting_depth(value, MAX_SCHEMA_DEPTH)
     if depth > MAX_SCHEMA_DEPTH:
         raise bad_request(
             f"{where} nests {depth} levels of objects and arrays; at most {MAX_SCHEMA_DEPTH}"
@@ -205,20 +205,6 @@ def _schema(value: Any, where: str, param: str) -> dict[str, Any]:
             param=param,
         )
     return value
-
-
-def _depth(value: Any) -> int:
-    """How deeply objects and arrays nest in ``value`` (walked without recursion)."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict | list):
-            deepest = max(deepest, depth)
-            if depth <= MAX_SCHEMA_DEPTH:  # deeper than the bound: no need to know how deep
-                children = node.values() if isinstance(node, dict) else node
-                stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 # --- tools --------------------------------------------------------------------------------------

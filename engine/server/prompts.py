@@ -14,17 +14,29 @@ import jinja2
 from llmpool.engine.server.protocol import bad_request
 from llmpool.engine.server.tool_calls import Function, hermes_messages, template_messages
 
+# Text of more than this many characters per token of the context window is first tokenized in
+# growing parts (each PROBE_GROWTH times the last): once a part alone overflows the window, the
+# prompt is refused without tokenizing the rest (16 MiB of text takes ~20 s of CPU to tokenize
+# whole). Tokens average ~4 characters, so a prompt that fits is rarely probed, and one that
+# does not costs at most a few times the characters that fill the window, whatever its length
+# (a run of spaces is ~64 characters per token).
+PROBE_CHARS_PER_TOKEN = 16
+PROBE_GROWTH = 4
+
 
 class PromptBuilder:
     """Tokenizes exactly as the offline ``LLM.generate`` and ``LLM.chat`` do, so outputs agree."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None) -> None:
+    def __init__(self, tokenizer: Any, chat_template: str | None, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self.template_knows_tools = "tools" in (self.chat_template or "")
+        self.max_model_len = max_model_len
 
     def completion_ids(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, list):
+            return list(prompt)
+        return self._encode(prompt, add_special_tokens=True, param="prompt")
 
     def chat_ids(
         self,
@@ -57,4 +69,19 @@ class PromptBuilder:
                 f"the chat template rejected the messages: {error}", param="messages"
             ) from None
         # The template already wrote any BOS; adding special tokens again would double it.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode(text, add_special_tokens=False, param="messages")
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        probe = self.max_model_len * PROBE_CHARS_PER_TOKEN
+        while probe < len(text):
+            head = self.tokenizer.encode(text[:probe], add_special_tokens=add_special_tokens)
+            if len(head) > self.max_model_len:
+                raise bad_request(
+                    f"this model's maximum context length is {self.max_model_len:,} tokens; the"
+                    f" first {probe:,} of the prompt's {len(text):,} characters alone are"
+                    f" {len(head):,} tokens",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            probe *= PROBE_GROWTH
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

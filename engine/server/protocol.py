@@ -9,16 +9,42 @@ from typing import Any
 
 from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.sampling_params import SamplingParams
+from llmpool.engine.server.limits import (
+    MAX_CONTENT_PARTS,
+    MAX_JSON_DEPTH,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_PROMPTS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOL_CALLS,
+    MAX_UNKNOWN_FIELDS_BYTES,
+    STREAMED_RESPONSE_FACTOR,
+    nesting_depth,
+)
 from llmpool.engine.structured_outputs import StructuredOutputsParams
 
-MAX_N = 128  # choices per request; each one is a sequence in the engine
-MAX_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields this server does not implement: refused by name rather than silently ignored.
 # A value that asks for nothing (null, false, empty) is accepted.
 UNSUPPORTED_FIELDS = ("functions", "function_call", "suffix", "echo")
 COMPLETION_ONLY_UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls")  # chat-only fields
 LEGACY_FUNCTION_FIELDS = {"functions": "tools", "function_call": "tool_choice"}
+# Every field the parsers read (here and in constraints.py); the others count as unknown.
+COMMON_FIELDS = (
+    "model", "n", "best_of", "stream", "stream_options", "stop", "stop_token_ids", "temperature",
+    "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "seed", "min_tokens", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+    "logit_bias", "cache_salt", "priority", "max_tokens", "logprobs", "response_format",
+    "structured_outputs", *UNSUPPORTED_FIELDS, *COMPLETION_ONLY_UNSUPPORTED,
+)  # fmt: skip
+COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt")
+CHAT_FIELDS = (
+    *COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
+)  # fmt: skip
 
 
 class APIError(Exception):
@@ -69,6 +95,35 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
+
+
+def _check_shape(body: dict[str, Any], known: tuple[str, ...]) -> None:
+    """Nesting within MAX_JSON_DEPTH in every field, and unknown fields within
+    MAX_UNKNOWN_FIELDS_BYTES together, so that a large body with a tiny prompt is refused."""
+    for name, value in body.items():
+        depth = nesting_depth(value, MAX_JSON_DEPTH - 1)
+        if depth >= MAX_JSON_DEPTH:  # the body's own object is the first level
+            raise bad_request(
+                f"{name} nests arrays and objects too deeply: a request body may nest at most"
+                f" {MAX_JSON_DEPTH} levels",
+                param=name,
+            )
+    unknown = {name: len(json.dumps(body[name])) for name in body.keys() - set(known)}
+    if sum(unknown.values()) > MAX_UNKNOWN_FIELDS_BYTES:
+        largest = max(unknown, key=lambda name: unknown[name])
+        raise bad_request(
+            f"fields this server does not use ({', '.join(sorted(unknown))}) hold"
+            f" {sum(unknown.values()):,} bytes of JSON; at most {MAX_UNKNOWN_FIELDS_BYTES:,} are"
+            " accepted",
+            param=largest,
+        )
+
+
+def _check_count(value: list[Any] | dict[str, Any], bound: int, param: str, what: str) -> None:
+    if len(value) > bound:
+        raise bad_request(
+            f"{param} has {len(value):,} {what}; at most {bound:,} are accepted", param=param
+        )
 
 
 class _Fields:
@@ -143,6 +198,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     max_tokens: int | None  # as the client asked; None: not given
+    max_tokens_param: str  # the field max_tokens came from (chat has two names for it)
     default_max_tokens: int | None  # when not given; None: until EOS or the context is full
     logprobs: int | None  # top alternatives per token; None: no logprobs
     priority: int | None = None  # None: the engine's --priority-class
@@ -166,6 +222,32 @@ class GenerationRequest:
             name = message.split(" ", 1)[0]
             raise bad_request(message, param=name if name in self.sampling else None) from None
 
+    def check_response_size(self, max_tokens_per_prompt: list[int], limit: int) -> None:
+        """Refuse an answer that could hold more than ``limit`` token entries (``n`` choices of
+        each prompt's max tokens, each token with its top logprobs): a response not streamed is
+        built whole in memory. A stream holds one event at a time and may carry
+        STREAMED_RESPONSE_FACTOR times as many."""
+        if self.stream:
+            limit *= STREAMED_RESPONSE_FACTOR
+        completion_tokens = sum(max_tokens_per_prompt)
+        top = self.logprobs or 0
+        entries = self.n * completion_tokens * (1 + top)
+        if entries <= limit:
+            return
+        tokens = f"{completion_tokens:,} tokens"
+        if len(max_tokens_per_prompt) > 1:
+            tokens += f" over {len(max_tokens_per_prompt)} prompts"
+        if self.max_tokens is None:
+            tokens += f" (the room left in the context, as {self.max_tokens_param} is not set)"
+        kind = "a streamed response" if self.stream else "a response that is not streamed"
+        raise bad_request(
+            f"this request could return n={self.n} × {tokens} × (1 + {top} top logprobs) ="
+            f" {entries:,} token entries; {kind} may hold at most {limit:,}: lower n,"
+            f" {self.max_tokens_param} or the logprobs asked for"
+            + ("" if self.stream else ", or stream the response"),
+            param=self.max_tokens_param,
+        )
+
 
 @dataclass
 class CompletionRequest(GenerationRequest):
@@ -184,23 +266,24 @@ def _common(
     n: int = fields.get("n", (int,), 1)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", param="n")
-    max_tokens = None
+    best_of = fields.integer("best_of", None)
+    if best_of is not None and best_of != n:
+        raise bad_request("best_of is not supported by this server (only equal to n)", "best_of")
+    max_tokens, max_tokens_param = None, max_tokens_names[0]
     for name in max_tokens_names:
         value = fields.integer(name, None)
         if value is not None:
             if value < 1:
                 raise bad_request(f"{name} must be at least 1, got {value}", param=name)
-            max_tokens = value
+            max_tokens, max_tokens_param = value, name
             break
     stream_options = fields.get("stream_options", (dict,), {})
     include_usage = stream_options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise bad_request("stream_options.include_usage must be a boolean", param="stream_options")
-    stop = fields.get("stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise bad_request("stop must be a string or an array of strings", param="stop")
+    stop = _stop(fields.get("stop", (str, list), []))
     stop_token_ids = fields.get("stop_token_ids", (list,), [])
+    _check_count(stop_token_ids, MAX_STOP_TOKEN_IDS, "stop_token_ids", "entries")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
         raise bad_request("stop_token_ids must be an array of integers", param="stop_token_ids")
     sampling = {
@@ -213,7 +296,7 @@ def _common(
         "repetition_penalty": fields.number("repetition_penalty", 1.0),
         "seed": fields.integer("seed", None),
         "min_tokens": fields.integer("min_tokens", 0),
-        "stop": [_check_text(s, "stop") for s in stop],
+        "stop": stop,
         "stop_token_ids": stop_token_ids,
         "include_stop_str_in_output": fields.get("include_stop_str_in_output", (bool,), False),
         "ignore_eos": fields.get("ignore_eos", (bool,), False),
@@ -229,6 +312,7 @@ def _common(
         "stream": fields.get("stream", (bool,), False),
         "include_usage": include_usage,
         "max_tokens": max_tokens,
+        "max_tokens_param": max_tokens_param,
         "default_max_tokens": default_max_tokens,
         "sampling": sampling,
     }
@@ -247,8 +331,25 @@ def _refuse_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
         raise bad_request(f"{name} is not supported by this server", param=name)
 
 
+def _stop(value: str | list[Any]) -> list[str]:
+    stop = [value] if isinstance(value, str) else value
+    _check_count(stop, MAX_STOP_STRINGS, "stop", "strings")
+    for text in stop:
+        if not isinstance(text, str):
+            raise bad_request("stop must be a string or an array of strings", param="stop")
+        if len(text) > MAX_STOP_CHARS:
+            raise bad_request(
+                f"stop strings may have at most {MAX_STOP_CHARS:,} characters, got one of"
+                f" {len(text):,}",
+                param="stop",
+            )
+        _check_text(text, "stop")
+    return stop
+
+
 def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
     """OpenAI's ``{"token id": bias}``; the ids are checked against the vocabulary at admission."""
+    _check_count(value, MAX_LOGIT_BIAS, "logit_bias", "entries")
     bias = {}
     for key, amount in value.items():
         if not key.isascii() or not key.isdigit() or len(key) > 18:
@@ -285,6 +386,7 @@ def _logprobs_count(value: int | None, param: str) -> int | None:
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    _check_shape(body, COMPLETION_FIELDS)
     _refuse_unsupported(body, UNSUPPORTED_FIELDS + COMPLETION_ONLY_UNSUPPORTED)
     fields = _Fields(body)
     return CompletionRequest(
@@ -302,6 +404,8 @@ def _parse_prompts(prompt: Any) -> list[str | list[int]]:
             isinstance(t, int) and not isinstance(t, bool) for t in value
         )
 
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        _check_count(prompt, MAX_PROMPTS, "prompt", "prompts")
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif is_ids(prompt) and prompt:
@@ -325,6 +429,7 @@ def _parse_prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    _check_shape(body, CHAT_FIELDS)
     _refuse_unsupported(body, UNSUPPORTED_FIELDS)
     fields = _Fields(body)
     wants_logprobs = fields.get("logprobs", (bool,), False)
@@ -342,6 +447,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
 def _parse_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty array", param="messages")
+    _check_count(messages, MAX_MESSAGES, "messages", "messages")
     parsed = []
     for index, message in enumerate(messages):
         param = f"messages[{index}]"
@@ -379,6 +485,7 @@ def _tool_fields(message: dict[str, Any], role: str, param: str) -> dict[str, An
     where = f"{param}.tool_calls"
     if role != "assistant" or not isinstance(calls, list):
         raise bad_request(f"{where} must be an array on an assistant message", param=where)
+    _check_count(calls, MAX_TOOL_CALLS, where, "calls")
     checked = []
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
@@ -414,6 +521,7 @@ def _message_text(content: Any, param: str) -> str:
     if isinstance(content, str):
         return _check_text(content, param)
     if isinstance(content, list):
+        _check_count(content, MAX_CONTENT_PARTS, param, "parts")
         texts = []
         for part in content:
             if (

@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmpool.engine.server.limits import MAX_JSON_DEPTH, nesting_depth
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -212,10 +214,13 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _arguments_value(arguments: str) -> Any:
+    """The arguments as JSON, or as the string they came as when that is not JSON or nests
+    deeper than a request may (a template writes them back with a recursive ``tojson``)."""
     try:
-        return json.loads(arguments)
-    except ValueError:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
         return arguments
+    return arguments if nesting_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH else value
 
 
 def detect_parser(chat_template: str | None) -> str:

@@ -9,13 +9,17 @@ import json
 import httpx
 import pytest
 
+from llmpool.engine.server import limits
+
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
-MAX_QUEUE = 100
+MAX_QUEUE = 128  # a request of limits.MAX_PROMPTS prompts fits
+MAX_RESPONSE_TOKENS = 4096
 SERVER_ARGS = [
     "--api-key", API_KEY, "--max-queue", str(MAX_QUEUE), "--max-model-len", str(MAX_MODEL_LEN),
     "--max-num-seqs", "16", "--kv-cache-memory", "64MiB", "--no-access-log",
+    "--max-response-tokens", str(MAX_RESPONSE_TOKENS),
 ]  # fmt: skip
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
@@ -81,6 +85,8 @@ BAD_BODIES = {
     ),
     "stop token id negative": ("/v1/completions", {**COMPLETION, "stop_token_ids": [-3]}, "stop_token_ids"),
     "seed beyond 64 bits": ("/v1/completions", {**COMPLETION, "seed": 2**64}, "seed"),
+    "seed of the last choice beyond 64 bits": ("/v1/completions", {**COMPLETION, "n": 2, "seed": 2**64 - 1}, "seed"),
+    "best_of": ("/v1/completions", {**COMPLETION, "best_of": 3}, "best_of"),
     "priority beyond int32": ("/v1/completions", {**COMPLETION, "priority": 10**30}, "priority"),
     "priority above the pool's": ("/v1/completions", {**COMPLETION, "priority": -1}, "priority"),
     "temperature NaN": ("/v1/completions", {**COMPLETION, "temperature": float("nan")}, "temperature"),
@@ -109,6 +115,167 @@ def test_bad_field_is_a_400_naming_it(http: httpx.Client, case: str) -> None:
         http.post(path, content=raw, headers={"Content-Type": "application/json"}), 400
     )
     assert error["param"] == param
+
+
+def nested(depth: int) -> list:
+    """Arrays nested ``depth`` levels deep."""
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def tool(name: str, parameters: object = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def call(index: int) -> dict:
+    return {"id": f"c{index}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+# A token forced and made a stop token: each choice ends after one step, so a request at a bound
+# is served at once however many tokens it could have had.
+STOP_AT_ONCE = {"logit_bias": {"42": 100}, "stop_token_ids": [42]}
+PARTS = [{"type": "text", "text": "a"}]
+# The body's own object is one level, so a field may nest one level less than MAX_JSON_DEPTH.
+DEEPEST_FIELD = limits.MAX_JSON_DEPTH - 1
+UNKNOWN_BYTES = limits.MAX_UNKNOWN_FIELDS_BYTES - 2  # the string's quotes count
+# Each bound, just over and at the limit: (path, body over, param named, body at the bound).
+BOUNDS = {
+    "n": ("/v1/completions", {**COMPLETION, "n": limits.MAX_N + 1}, "n", {**COMPLETION, **STOP_AT_ONCE, "n": limits.MAX_N}),
+    "prompts": (
+        "/v1/completions", {**COMPLETION, "prompt": ["Hi"] * (limits.MAX_PROMPTS + 1)}, "prompt",
+        {**COMPLETION, **STOP_AT_ONCE, "prompt": ["Hi"] * limits.MAX_PROMPTS},
+    ),
+    "stop strings": (
+        "/v1/completions", {**COMPLETION, "stop": ["x"] * (limits.MAX_STOP_STRINGS + 1)}, "stop",
+        {**COMPLETION, "stop": [chr(65 + i) * limits.MAX_STOP_CHARS for i in range(limits.MAX_STOP_STRINGS)]},
+    ),
+    "stop string length": (
+        "/v1/completions", {**COMPLETION, "stop": "x" * (limits.MAX_STOP_CHARS + 1)}, "stop",
+        {**COMPLETION, "stop": "x" * limits.MAX_STOP_CHARS},
+    ),
+    "stop_token_ids": (
+        "/v1/completions", {**COMPLETION, "stop_token_ids": list(range(limits.MAX_STOP_TOKEN_IDS + 1))},
+        "stop_token_ids", {**COMPLETION, "min_tokens": 1, "stop_token_ids": list(range(limits.MAX_STOP_TOKEN_IDS))},
+    ),
+    "logit_bias": (
+        "/v1/completions", {**COMPLETION, "logit_bias": {str(i): 1 for i in range(limits.MAX_LOGIT_BIAS + 1)}},
+        "logit_bias", {**COMPLETION, "logit_bias": {str(i): 1 for i in range(limits.MAX_LOGIT_BIAS)}},
+    ),
+    "logprobs": (
+        "/v1/completions", {**COMPLETION, "logprobs": limits.MAX_LOGPROBS + 1}, "logprobs",
+        {**COMPLETION, "logprobs": limits.MAX_LOGPROBS},
+    ),
+    "top_logprobs": (
+        "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": limits.MAX_LOGPROBS + 1},
+        "top_logprobs", {**CHAT, "logprobs": True, "top_logprobs": limits.MAX_LOGPROBS},
+    ),
+    "messages": (
+        "/v1/chat/completions", {**CHAT, "messages": CHAT["messages"] * (limits.MAX_MESSAGES + 1)},
+        "messages", {**CHAT, "messages": CHAT["messages"] * limits.MAX_MESSAGES},
+    ),
+    "content parts": (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": PARTS * (limits.MAX_CONTENT_PARTS + 1)}]},
+        "messages[0].content",
+        {**CHAT, "messages": [{"role": "user", "content": PARTS * limits.MAX_CONTENT_PARTS}]},
+    ),
+    "tool calls": (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "assistant", "tool_calls": [call(i) for i in range(limits.MAX_TOOL_CALLS + 1)]}]},
+        "messages[0].tool_calls",
+        {**CHAT, "messages": [{"role": "assistant", "tool_calls": [call(i) for i in range(limits.MAX_TOOL_CALLS)]}]},
+    ),
+    "tools": (
+        "/v1/chat/completions", {**CHAT, "tools": [tool(f"f{i}") for i in range(limits.MAX_TOOLS + 1)]},
+        "tools", {**CHAT, "tools": [tool(f"f{i}") for i in range(limits.MAX_TOOLS)], "tool_choice": "none"},
+    ),
+    "unknown fields": (
+        "/v1/completions", {**COMPLETION, "user": "x" * (UNKNOWN_BYTES + 1)}, "user",
+        {**COMPLETION, "user": "x" * UNKNOWN_BYTES},
+    ),
+    "nesting in an unknown field": (
+        "/v1/completions", {**COMPLETION, "metadata": nested(DEEPEST_FIELD + 1)}, "metadata",
+        {**COMPLETION, "metadata": nested(DEEPEST_FIELD)},
+    ),
+    # n x max_tokens x (1 + top logprobs) within --max-response-tokens; streamed: 16 times that.
+    "response size": (
+        "/v1/completions", {**COMPLETION, "n": 2, "max_tokens": 129, "logprobs": 15}, "max_tokens",
+        {**COMPLETION, **STOP_AT_ONCE, "n": 2, "max_tokens": 128, "logprobs": 15},
+    ),
+    "streamed response size": (
+        "/v1/completions", {**COMPLETION, "stream": True, "n": 17, "max_tokens": 250, "logprobs": 15},
+        "max_tokens", {**COMPLETION, **STOP_AT_ONCE, "stream": True, "n": 16, "max_tokens": 250, "logprobs": 15},
+    ),
+    "chat response size, max tokens not set": (
+        "/v1/chat/completions", {**CHAT, "max_tokens": None, "n": 2, "logprobs": True, "top_logprobs": 15},
+        "max_completion_tokens", {**CHAT, **STOP_AT_ONCE, "max_tokens": None, "logprobs": True, "top_logprobs": 15},
+    ),
+    "sequences beyond the queue": (
+        "/v1/completions", {**COMPLETION, "n": 2, "prompt": ["Hi"] * (MAX_QUEUE // 2 + 1)}, "n",
+        {**COMPLETION, **STOP_AT_ONCE, "n": 2, "prompt": ["Hi"] * (MAX_QUEUE // 2)},
+    ),
+}  # fmt: skip
+# Nesting beyond MAX_JSON_DEPTH, wherever it is, is a 400 naming the field it is in.
+DEEP = nested(limits.MAX_JSON_DEPTH + 1)
+NESTING = {
+    "messages[].content": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": DEEP}]}, "messages"),
+    "messages[] extra field": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi", "name": DEEP}]}, "messages"),
+    "tools": ("/v1/chat/completions", {**CHAT, "tools": [tool("f", {"type": "object", "x": DEEP})]}, "tools"),
+    "response_format.json_schema": (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"x": DEEP}}}},
+        "response_format",
+    ),
+    "logit_bias": ("/v1/completions", {**COMPLETION, "logit_bias": {"5": DEEP}}, "logit_bias"),
+    "stop": ("/v1/completions", {**COMPLETION, "stop": DEEP}, "stop"),
+    "prompt": ("/v1/completions", {**COMPLETION, "prompt": DEEP}, "prompt"),
+    "unknown field": ("/v1/completions", {**COMPLETION, "vllm_xargs": {"a": DEEP}}, "vllm_xargs"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BOUNDS))
+def test_each_bound_refuses_just_over_and_serves_at_it(http: httpx.Client, case: str) -> None:
+    path, over, param, at = BOUNDS[case]
+    error = assert_openai_error(http.post(path, json=over), 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert "at most" in error["message"] or "between" in error["message"], error
+    response = http.post(path, json=at)
+    if response.status_code != 200:  # served, or refused only because the prompt is too long
+        assert assert_openai_error(response, 400)["code"] == "context_length_exceeded"
+    elif at.get("stream"):
+        assert response.text.endswith("data: [DONE]\n\n") and '"error"' not in response.text
+    assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("case", list(NESTING))
+def test_deep_nesting_in_any_field_is_a_400_naming_it(http: httpx.Client, case: str) -> None:
+    path, body, param = NESTING[case]
+    error = assert_openai_error(http.post(path, json=body), 400)
+    assert (
+        error["param"] == param and f"at most {limits.MAX_JSON_DEPTH} levels" in error["message"]
+    ), error
+    assert http.get("/health").status_code == 200
+
+
+def test_call_arguments_nested_past_the_recursion_limit_are_not_a_500(http: httpx.Client) -> None:
+    deep = "[" * 5000 + "]" * 5000  # a string field: not nesting in the body, JSON when parsed
+    arguments = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    body = {**CHAT, "messages": [{"role": "assistant", "tool_calls": [arguments]}]}
+    response = http.post("/v1/chat/completions", json=body)
+    if response.status_code != 200:
+        assert assert_openai_error(response, 400)["code"] == "context_length_exceeded"
+
+
+# 12 MB each: tokenizing one whole would take the CPU for seconds; spaces are ~64 to a token.
+@pytest.mark.parametrize(
+    "prompt", ["hello " * 2_000_000, " " * 12_000_000], ids=["words", "spaces"]
+)
+def test_a_huge_prompt_is_refused_from_its_start_alone(http: httpx.Client, prompt: str) -> None:
+    response = http.post("/v1/completions", json={**COMPLETION, "prompt": prompt})
+    error = assert_openai_error(response, 400)
+    assert error["code"] == "context_length_exceeded" and f"{len(prompt):,}" in error["message"]
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,9 @@ OpenAI's error shape, stays healthy, and leaks no KV blocks.
 
 Bodies are valid requests whose fields are, each with some probability, replaced by extreme,
 wrong-typed or nested values (huge and negative numbers, NaN and infinities, unicode, lone
-surrogates, token ids beyond the vocabulary). The example budget is fixed and derandomized so a
+surrogates, token ids beyond the vocabulary, arrays nested around the nesting bound), with lists
+sized around their bounds in ``limits`` (and the response size around --max-response-tokens),
+and unknown fields up to and beyond their bound. The example budget is fixed and derandomized so a
 CI run is reproducible; ``LLMPOOL_FUZZ_EXAMPLES`` raises it for a longer local hunt.
 """
 
@@ -18,11 +20,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmpool.engine.server import limits
+
 MODEL = "smollm2-135m-instruct"
 VOCAB = 49152
 SERVER_ARGS = [
     "--max-model-len", "64", "--max-num-seqs", "8", "--kv-cache-memory", "16MiB",
-    "--max-queue", "64", "--no-access-log",
+    "--max-queue", "64", "--no-access-log", "--max-response-tokens", "2000",
 ]  # fmt: skip
 EXAMPLES = int(os.environ.get("LLMPOOL_FUZZ_EXAMPLES", "120"))
 
@@ -42,6 +46,20 @@ JSON_ANY = st.recursive(
     ),
     max_leaves=8,
 )
+NESTED = st.integers(1, 2 * limits.MAX_JSON_DEPTH).map(
+    lambda depth: json.loads("[" * depth + "]" * depth)
+)
+
+
+def around(bound: int) -> st.SearchStrategy[int]:
+    """List sizes just under, at and just over a bound."""
+    return st.sampled_from([bound - 1, bound, bound + 1])
+
+
+def tools(count: int) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": f"f{i}"}} for i in range(count)]
+
+
 TOKEN_IDS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)
 TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)
 
@@ -54,20 +72,24 @@ VALID_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.5, 2),
     "seed": st.integers(-(2**63), 2**64 - 1),
-    "n": st.integers(1, 3),
+    "n": st.integers(1, 3) | around(limits.MAX_N),
     "min_tokens": st.integers(0, 3),
-    "stop": st.lists(TEXT, max_size=2),
-    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+    "stop": st.lists(TEXT, max_size=2)
+    | around(limits.MAX_STOP_STRINGS).map(lambda count: ["\n\n"] * count)
+    | around(limits.MAX_STOP_CHARS).map(lambda length: "z" * length),
+    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3)
+    | around(limits.MAX_STOP_TOKEN_IDS).map(lambda count: list(range(VOCAB - count, VOCAB))),
     "logit_bias": st.dictionaries(
         st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3
-    ),
+    )
+    | around(limits.MAX_LOGIT_BIAS).map(lambda count: {str(i): -1.5 for i in range(count)}),
     "priority": st.sampled_from(["interactive", "batch", 0, 1, 7]),
     "cache_salt": st.text(max_size=8),
     "stream": st.booleans(),
     "ignore_eos": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
-    "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
+    "tools": st.just(tools(1)) | around(limits.MAX_TOOLS).map(tools),
     "tool_choice": st.sampled_from(
         ["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]
     ),
@@ -86,46 +108,58 @@ VALID_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 }
 
 
+# Fields no parser reads, which any body may carry within MAX_UNKNOWN_FIELDS_BYTES together.
+UNKNOWN_FIELDS = {
+    "user": st.text(max_size=8)
+    | around(limits.MAX_UNKNOWN_FIELDS_BYTES - 2).map(lambda length: "u" * length),
+    "metadata": NESTED | JSON_ANY,
+}
+
+
 def mangled(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    """Mostly the valid value; sometimes anything JSON can carry."""
-    return st.one_of(valid, valid, JSON_ANY)
+    """Mostly the valid value; sometimes anything JSON can carry, or arrays nested deeply."""
+    return st.one_of(valid, valid, JSON_ANY | NESTED)
 
 
 COMPLETION_PROMPTS = (
-    TEXT | TOKEN_IDS | st.lists(TEXT | TOKEN_IDS, min_size=1, max_size=2) | JSON_ANY
+    TEXT
+    | TOKEN_IDS
+    | st.lists(TEXT | TOKEN_IDS, min_size=1, max_size=2)
+    | around(limits.MAX_PROMPTS).map(lambda count: ["Hi"] * count)
+    | JSON_ANY
 )
+CONTENT_PARTS = st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2
+) | around(limits.MAX_CONTENT_PARTS).map(lambda count: [{"type": "text", "text": "a"}] * count)
 MESSAGES = (
     st.lists(
         st.fixed_dictionaries(
             {
                 "role": st.sampled_from(["system", "user", "assistant", "tool"]) | JSON_SCALARS,
-                "content": TEXT
-                | st.lists(
-                    st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2
-                )
-                | JSON_ANY,
+                "content": TEXT | CONTENT_PARTS | JSON_ANY | NESTED,
             }
         ),
         min_size=1,
         max_size=3,
     )
+    | around(limits.MAX_MESSAGES).map(lambda count: [{"role": "user", "content": "hi"}] * count)
     | JSON_ANY
 )
-OPTIONAL = {name: mangled(valid) for name, valid in VALID_FIELDS.items()}
+OPTIONAL = {name: mangled(valid) for name, valid in VALID_FIELDS.items()} | UNKNOWN_FIELDS
 COMPLETIONS = st.fixed_dictionaries(
     {
         "model": st.just(MODEL),
         "prompt": COMPLETION_PROMPTS,
         "max_tokens": mangled(st.integers(1, 6)),
     },
-    optional={**OPTIONAL, "logprobs": mangled(st.integers(0, 5))},
+    optional={**OPTIONAL, "logprobs": mangled(st.integers(0, 5) | around(limits.MAX_LOGPROBS))},
 )
 CHATS = st.fixed_dictionaries(
     {"model": st.just(MODEL), "messages": MESSAGES, "max_tokens": mangled(st.integers(1, 6))},
     optional={
         **OPTIONAL,
         "logprobs": mangled(st.booleans()),
-        "top_logprobs": mangled(st.integers(0, 5)),
+        "top_logprobs": mangled(st.integers(0, 5) | around(limits.MAX_LOGPROBS)),
     },
 )
 REQUESTS = st.tuples(st.just("/v1/completions"), COMPLETIONS) | st.tuples(

@@ -91,7 +91,7 @@ def folder_without_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_model_without_template_refuses_chat_with_a_400(folder_without_template: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder_without_template)
     with pytest.raises(APIError, match="--chat-template") as raised:
-        PromptBuilder(tokenizer, None).chat_ids([{"role": "user", "content": "hi"}], True)
+        PromptBuilder(tokenizer, None, 2048).chat_ids([{"role": "user", "content": "hi"}], True)
     assert raised.value.status == 400
 
 

@@ -222,7 +222,7 @@ CONVERSATION = [
 
 
 def test_smollm2s_template_gets_tools_calls_and_results_written_hermes_style(tokenizer) -> None:
-    builder = PromptBuilder(tokenizer, None)
+    builder = PromptBuilder(tokenizer, None, 2048)
     assert not builder.template_knows_tools
     text = tokenizer.decode(builder.chat_ids(CONVERSATION, True, [WEATHER]))
     system = text.split("<|im_end|>")[0]
@@ -236,7 +236,7 @@ def test_smollm2s_template_gets_tools_calls_and_results_written_hermes_style(tok
 
 
 def test_a_system_message_keeps_its_text_before_the_tools(tokenizer) -> None:
-    builder = PromptBuilder(tokenizer, None)
+    builder = PromptBuilder(tokenizer, None, 2048)
     messages = [{"role": "system", "content": "Be brief."}, *CONVERSATION[:1]]
     text = tokenizer.decode(builder.chat_ids(messages, True, [WEATHER]))
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
@@ -250,7 +250,7 @@ def test_a_template_that_renders_tools_gets_them_and_arguments_as_objects(tokeni
         "{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments.city }}{% endfor %}"
         "{% if m.tool_call_id %} for {{ m.tool_call_id }}{% endif %};{% endfor %}"
     )
-    builder = PromptBuilder(tokenizer, template)
+    builder = PromptBuilder(tokenizer, template, 2048)
     assert builder.template_knows_tools
     text = tokenizer.decode(builder.chat_ids(CONVERSATION, False, [WEATHER]))
     assert text == (
