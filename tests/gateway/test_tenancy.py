@@ -270,7 +270,7 @@ def test_held_requests_are_limited_per_tenant_and_dropped_when_the_client_leaves
         thread.join(timeout=10)  # the client gave up after 1.5 s and closed its connection
     left_at = time.monotonic()
     wait_held(0)
-    assert time.monotonic() - left_at < 5  # long before the 60 s hold timeout
+    assert time.monotonic() - left_at < 30  # long before the 60 s hold timeout
     assert gateway.metrics()['llmpool_gateway:tenant_held_requests{tenant="team-a"}'] == 0
 
 
