@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmpool.engine.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
 
 # torch.Generator.manual_seed takes any value in [-2**63, 2**64); negative ones wrap around.
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -59,8 +61,11 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
         self.stop_token_set = frozenset(self.stop_token_ids)
-        # A few hundred entries at most: too small for torch to start a parallel region (and an
-        # OpenMP team) on the thread that builds the params.
+        # Imported here: the gateway imports this module (through the server's protocol) and
+        # must not load torch. A few hundred entries at most: too small for torch to start a
+        # parallel region (and an OpenMP team) on the thread that builds the params.
+        import torch
+
         self.logit_bias_ids = torch.tensor(list(self.logit_bias), dtype=torch.int64)
         self.logit_bias_values = torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
 

@@ -124,7 +124,9 @@ def test_a_fault_while_sampling_one_request_fails_it_alone(llm: LLM, reference: 
     engine = llm.engine
     engine.add_request("good", llm.tokenizer.encode(PROMPT), GREEDY)
     engine.add_request("bad", llm.tokenizer.encode("Hello there"), SamplingParams(min_tokens=2))
-    engine.scheduler.requests["bad"].sampling_params.stop_token_ids.append(999_999)
+    params = engine.scheduler.requests["bad"].sampling_params
+    # Where the sampler reads it: the set built once from stop_token_ids.
+    params.stop_token_set = params.stop_token_set | {999_999}
     deltas = {}
     while engine.has_unfinished_requests():
         for delta in engine.step():
