@@ -9,6 +9,7 @@ other tests (or of another operator running on the same cluster).
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -21,6 +22,9 @@ from typing import Any
 import pytest
 import yaml
 from harness import IMAGE, ClusterHandle, pod_ready, wait_for
+
+from llmpool.fleet_key import ENGINE_KEY_FIELD
+from llmpool.operator import naming
 
 pytestmark = pytest.mark.e2e
 
@@ -126,9 +130,16 @@ def operator_pods(cluster: ClusterHandle, namespace: str) -> list[dict[str, Any]
     return release_pods(cluster, namespace, "operator")
 
 
-def chat_on_pod_ip(ip: str, model: str) -> str:
+def engine_key(cluster: ClusterHandle, namespace: str, pool: str) -> str:
+    """The key a pool's engines require (the chart's fleet key is on by default): what a
+    caller of the pool's ``status.endpoint`` reads from the pool's Secret."""
+    secret = cluster.get("secret", naming.engine_key_secret_name(pool), "-n", namespace)
+    return base64.b64decode(secret["data"][ENGINE_KEY_FIELD]).decode()
+
+
+def chat_on_pod_ip(ip: str, model: str, key: str) -> str:
     """One chat completion straight to an engine pod's IP."""
-    return chat_on_url(f"http://{ip}:8000/v1", model)
+    return chat_on_url(f"http://{ip}:8000/v1", model, key)
 
 
 def list_models(base_url: str) -> list[dict[str, Any]]:
@@ -136,20 +147,20 @@ def list_models(base_url: str) -> list[dict[str, Any]]:
         return json.loads(response.read())["data"]
 
 
-def chat_on_url(base_url: str, model: str) -> str:
+def chat_on_url(base_url: str, model: str, key: str = "unused") -> str:
     """One chat completion through the official openai client.
 
     Run in a subprocess: the client library stays out of the test process's imports.
     """
     code = (
         "import sys, openai\n"
-        "client = openai.OpenAI(base_url=sys.argv[1], api_key='unused', timeout=120)\n"
+        "client = openai.OpenAI(base_url=sys.argv[1], api_key=sys.argv[3], timeout=120)\n"
         "reply = client.chat.completions.create(model=sys.argv[2], max_tokens=8,\n"
         "    messages=[{'role': 'user', 'content': 'Say hello.'}])\n"
         "print(reply.model, reply.choices[0].finish_reason, reply.usage.completion_tokens)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, base_url, model],
+        [sys.executable, "-c", code, base_url, model, key],
         capture_output=True,
         text=True,
         timeout=180,
@@ -244,7 +255,11 @@ def test_install_serve_upgrade_uninstall(
                 if pod_ready(p) and not p["metadata"].get("deletionTimestamp")
             ]
             served_name = pool["spec"]["model"]["servedName"]
-            reply = chat_on_pod_ip(engine["status"]["podIP"], served_name)
+            key = engine_key(cluster, pools_namespace, name)
+            reply = chat_on_pod_ip(engine["status"]["podIP"], served_name, key)
+            # Engines answer only the fleet: without the pool's key, a direct call is refused.
+            with pytest.raises(AssertionError, match="401"):
+                chat_on_pod_ip(engine["status"]["podIP"], served_name, "unused")
             assert reply.split()[0] == served_name, reply
         # One base URL serves both pools by model name: the chart's gateway, by its Service.
         gateway = cluster.get("service", "llmpool-gateway", "-n", namespace)
@@ -307,12 +322,14 @@ def test_install_serve_upgrade_uninstall(
 # OpenAI clients in a pod of the project's image (which carries the `bench` extra, hence
 # `openai`): argv base URL, model, number of chat completions, each from a new client, as from
 # independent users. (kube-proxy balances connections, not requests: one client's keep-alive
-# connection stays on one replica, which is what the gateway is for.)
+# connection stays on one replica, which is what the gateway is for.) The key is the pool's,
+# from its Secret (OPENAI_API_KEY, as the openai client reads it).
 CHAT_CLIENT = (
-    "import sys, openai\n"
+    "import os, sys, openai\n"
     "base_url, model, count = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
     "for _ in range(count):\n"
-    "    client = openai.OpenAI(base_url=base_url, api_key='unused', timeout=120, max_retries=5)\n"
+    "    client = openai.OpenAI(base_url=base_url, api_key=os.environ['OPENAI_API_KEY'],\n"
+    "                           timeout=120, max_retries=5)\n"
     "    reply = client.chat.completions.create(model=model, max_tokens=4,\n"
     "        messages=[{'role': 'user', 'content': 'Say hello.'}])\n"
     "    print(reply.model, reply.choices[0].finish_reason, reply.usage.completion_tokens)\n"
@@ -320,8 +337,10 @@ CHAT_CLIENT = (
 )
 
 
-def run_client_job(cluster: ClusterHandle, namespace: str, name: str, *argv: str) -> str:
-    """Run CHAT_CLIENT as a Job in ``namespace``; return its output once it succeeded."""
+def run_client_job(cluster: ClusterHandle, namespace: str, name: str, pool: str, *argv: str) -> str:
+    """Run CHAT_CLIENT as a Job in ``namespace`` with ``pool``'s engine key; return its output
+    once it succeeded."""
+    key = {"name": naming.engine_key_secret_name(pool), "key": ENGINE_KEY_FIELD}
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -337,6 +356,7 @@ def run_client_job(cluster: ClusterHandle, namespace: str, name: str, *argv: str
                             "image": IMAGE,
                             "imagePullPolicy": "IfNotPresent",
                             "command": ["python3", "-c", CHAT_CLIENT, *argv],
+                            "env": [{"name": "OPENAI_API_KEY", "valueFrom": {"secretKeyRef": key}}],
                         }
                     ],
                 }
@@ -399,7 +419,9 @@ def test_in_cluster_endpoint_scaling_security_and_drift(
             name, served = pool["metadata"]["name"], pool["spec"]["model"]["servedName"]
             endpoint = pool["status"]["endpoint"]
             assert endpoint == f"http://{name}.{pools_namespace}.svc:8000/v1"
-            logs = run_client_job(cluster, pools_namespace, f"client-{name}", endpoint, served, "1")
+            logs = run_client_job(
+                cluster, pools_namespace, f"client-{name}", name, endpoint, served, "1"
+            )
             assert logs.split()[0] == served, logs
 
         # Scaled to 2, the pool's Service spreads one client's requests over both replicas.
@@ -417,7 +439,7 @@ def test_in_cluster_endpoint_scaling_security_and_drift(
         requests = 12  # all on one replica by chance: 2 * 2**-12
         endpoint = f"http://{chat}.{pools_namespace}.svc:8000/v1"
         run_client_job(
-            cluster, pools_namespace, "client-spread", endpoint, "smollm2", str(requests)
+            cluster, pools_namespace, "client-spread", chat, endpoint, "smollm2", str(requests)
         )
         served_by = {
             p["metadata"]["name"]: engine_requests(p) - before[p["metadata"]["name"]]
