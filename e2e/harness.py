@@ -11,7 +11,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -153,6 +154,30 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+CRDS = Path(__file__).resolve().parents[1] / "crds"
+
+
+@contextmanager
+def namespace_operator(
+    cluster: ClusterHandle, namespace: str, log_path: Path
+) -> Iterator[OperatorProcess]:
+    """The real operator for one namespace, its CRDs established first. At the end it is started
+    again if a test stopped it, deletes the namespace's pools (it removes their finalizers), and
+    stops."""
+    cluster.kubectl("apply", "-f", str(CRDS))
+    for crd in ("llmpools.llmpool.dev", "llmpooldemands.llmpool.dev"):
+        cluster.kubectl("wait", "--for=condition=established", f"crd/{crd}")
+    process = OperatorProcess(cluster, log_path, "-n", namespace, "--standalone")
+    process.start()
+    yield process
+    if process.process is None:
+        process.start()
+    cluster.run(
+        "kubectl", "delete", "llmpools", "--all", "-n", namespace, "--timeout=60s", check=False
+    )
+    process.stop()
 
 
 class GatewayProcess:

@@ -26,6 +26,7 @@ from harness import (
     ClusterHandle,
     GatewayProcess,
     OperatorProcess,
+    namespace_operator,
     pod_ready,
     wait_for,
 )
@@ -239,18 +240,8 @@ def post(
 @pytest.fixture
 def operator(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     """The real operator for this test's namespace only."""
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=established", "crd/llmpools.llmpool.dev")
-    process = OperatorProcess(cluster, tmp_path / "operator.log", "-n", namespace, "--standalone")
-    process.start()
-    yield process
-    if process.process is None:
-        process.start()
-    # The pools carry the operator's finalizer: remove them while it runs.
-    cluster.run(
-        "kubectl", "delete", "llmpools", "--all", "-n", namespace, "--timeout=60s", check=False
-    )
-    process.stop()
+    with namespace_operator(cluster, namespace, tmp_path / "operator.log") as process:
+        yield process
 
 
 def test_one_base_url_serves_both_example_pools_by_priority(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import ClusterHandle, OperatorProcess, wait_for
+from harness import ClusterHandle, OperatorProcess, namespace_operator, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -29,21 +29,13 @@ SETTLE_SECONDS = 60
 
 @pytest.fixture
 def operator(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    for crd in ("llmpools.llmpool.dev", "llmpooldemands.llmpool.dev"):
-        cluster.kubectl("wait", "--for=condition=established", f"crd/{crd}")
     key_file = tmp_path / "fleet-key"
     key_file.write_text(FLEET_KEY)
     keyed = dataclasses.replace(
         cluster, env={**cluster.env, "LLMPOOL_FLEET_KEY_FILE": str(key_file)}
     )
-    process = OperatorProcess(keyed, tmp_path / "operator.log", "-n", namespace, "--standalone")
-    process.start()
-    yield process
-    cluster.run(
-        "kubectl", "delete", "llmpools", "--all", "-n", namespace, "--timeout=60s", check=False
-    )
-    process.stop()
+    with namespace_operator(keyed, namespace, tmp_path / "operator.log") as process:
+        yield process
     print(f"operator log: {process.log_path}")
 
 

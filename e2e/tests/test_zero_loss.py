@@ -30,7 +30,14 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from harness import ClusterHandle, GatewayProcess, OperatorProcess, pod_ready, wait_for
+from harness import (
+    ClusterHandle,
+    GatewayProcess,
+    OperatorProcess,
+    namespace_operator,
+    pod_ready,
+    wait_for,
+)
 from load import Load
 
 from llmpool.operator import naming
@@ -183,16 +190,8 @@ def table(load: Load, rows: list[tuple[str, float, dict[str, float]]]) -> str:
 @pytest.fixture
 def operator(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     """The real operator for this test's namespace only."""
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=established", "crd/llmpools.llmpool.dev")
-    process = OperatorProcess(cluster, tmp_path / "operator.log", "-n", namespace, "--standalone")
-    process.start()
-    yield process
-    # The pool carries the operator's finalizer: remove it while the operator runs.
-    cluster.run(
-        "kubectl", "delete", "llmpools", "--all", "-n", namespace, "--timeout=60s", check=False
-    )
-    process.stop()
+    with namespace_operator(cluster, namespace, tmp_path / "operator.log") as process:
+        yield process
 
 
 @pytest.fixture
