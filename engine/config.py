@@ -101,6 +101,10 @@ class EngineConfig:
     # Compile the decoder with inductor at start (CPU; needs a C++ compiler): fused per-layer
     # ops, every batch size compiled before the first request (engine/compilation.py).
     compile: bool = False
+    # LoRA adapters (engine/lora): slots resident beside the base model, and their largest rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
@@ -148,6 +152,15 @@ class EngineConfig:
             (
                 self.kv_cache_dtype in KV_CACHE_DTYPES,
                 f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}",
+            ),
+            (1 <= self.max_loras <= 64, f"max_loras must be in 1..64, got {self.max_loras}"),
+            (
+                1 <= self.max_lora_rank <= 256,
+                f"max_lora_rank must be in 1..256, got {self.max_lora_rank}",
+            ),
+            (
+                not (self.compile and self.enable_lora),
+                "compile and enable_lora cannot be combined yet: LoRA steps run eager",
             ),
         ]
         for ok, message in checks:

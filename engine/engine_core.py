@@ -65,6 +65,9 @@ def model_shape_for_capacity(shape: LlamaShape, num_parameters: int) -> capacity
         embedding_parameters=capacity.embedding_parameters(
             shape.vocab_size, shape.hidden_size, shape.tie_word_embeddings
         ),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_heads=shape.num_heads,
     )
 
 

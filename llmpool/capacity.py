@@ -26,6 +26,10 @@ class ModelShape:
     max_position_embeddings: int
     # Of num_parameters, those of the embedding table and an untied LM head.
     embedding_parameters: int
+    # What a LoRA slot's size depends on (lora_slot_bytes).
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
 
 
 def embedding_parameters(vocab_size: int, hidden_size: int, tie_word_embeddings: bool) -> int:
@@ -41,6 +45,9 @@ BUILTIN_MODEL_SHAPES = {
         num_parameters=134_515_008,
         max_position_embeddings=8192,
         embedding_parameters=49_152 * 576,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_heads=9,
     ),
 }
 
@@ -70,7 +77,24 @@ def model_shape_from_config(config: dict[str, Any]) -> ModelShape:
         num_parameters=embeddings + num_layers * per_layer + hidden,
         max_position_embeddings=config["max_position_embeddings"],
         embedding_parameters=embeddings,
+        hidden_size=hidden,
+        intermediate_size=config["intermediate_size"],
+        num_heads=num_heads,
     )
+
+
+def lora_slot_bytes(shape: ModelShape, max_rank: int, dtype: str) -> int:
+    """Memory of one LoRA slot (engine/lora/manager.py): every layer's A and B of all seven
+    projections at rank ``max_rank``, in the model's dtype, whatever an adapter targets.
+
+    Per layer and rank: A reads hidden (q, k, v, gate, up), q_size (o) and intermediate (down);
+    B writes q_size + 2 kv_size (q, k, v), hidden (o, down) and 2 intermediate (gate, up).
+    """
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    q_size = shape.num_heads * shape.head_dim
+    kv_size = shape.num_kv_heads * shape.head_dim
+    per_rank = 7 * hidden + 2 * q_size + 2 * kv_size + 3 * inter
+    return shape.num_layers * max_rank * per_rank * WEIGHT_DTYPE_BYTES[dtype]
 
 
 def weight_bytes(shape: ModelShape, dtype: str, quantization: str = "none") -> int:

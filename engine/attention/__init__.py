@@ -11,6 +11,7 @@ import torch
 from llmpool.engine import ops
 from llmpool.engine.attention import cpu_backend, torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
+from llmpool.engine.lora.ops import torch_lora_add, torch_lora_plan
 from llmpool.engine.models.quantization import FP8_DTYPE
 
 __all__ = ["CPU", "TORCH", "AttentionMetadata", "Backend", "check_kv_cache_dtype", "select_backend"]
@@ -30,6 +31,8 @@ class Backend:
     rms_norm: Callable[..., torch.Tensor]
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    lora_plan: Callable[..., Any]
+    lora_add: Callable[..., None]
 
 
 TORCH = Backend(
@@ -40,6 +43,8 @@ TORCH = Backend(
     rms_norm=ops.rms_norm,
     fused_add_rms_norm=ops.fused_add_rms_norm,
     rotary_embedding=ops.rotary_embedding,
+    lora_plan=torch_lora_plan,
+    lora_add=torch_lora_add,
 )
 
 CPU = Backend(
@@ -50,6 +55,8 @@ CPU = Backend(
     rms_norm=ops.rms_norm,
     fused_add_rms_norm=ops.fused_add_rms_norm,
     rotary_embedding=ops.rotary_embedding,
+    lora_plan=torch_lora_plan,
+    lora_add=torch_lora_add,
 )
 
 
