@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -347,3 +348,10 @@ def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {
         key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key)
     }
+
+
+def engine_key(cluster: ClusterHandle, namespace: str, pool: str) -> str:
+    """The key a pool's engines require (the chart's fleet key is on by default): what a
+    caller of the pool's ``status.endpoint`` reads from the pool's Secret."""
+    secret = cluster.get("secret", naming.engine_key_secret_name(pool), "-n", namespace)
+    return base64.b64decode(secret["data"][ENGINE_KEY_FIELD]).decode()
