@@ -22,7 +22,7 @@ import uvicorn
 from llmpool import pinning
 from llmpool.engine.config import QUANTIZATIONS, EngineConfig
 from llmpool.engine.engine_core import EngineCore
-from llmpool.engine.lora.adapter import AdapterError
+from llmpool.engine.lora.adapter import ADAPTER_FILES, AdapterError, adapter_digest
 from llmpool.engine.model_source import RevisionMismatchError
 from llmpool.engine.server.app import ServerSettings, build_app
 from llmpool.engine.server.limits import DEFAULT_MAX_RESPONSE_TOKENS, STREAMED_RESPONSE_FACTOR
@@ -321,6 +321,24 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def check_pinned_adapters(modules: list[LoraModule]) -> None:
+    """Refuse pinned adapters whose files differ before the model loads, so that a wrong pin
+    stops the start in a second rather than after the load (the load checks again; missing
+    files are left to it, which names them)."""
+    for module in modules:
+        folder = Path(module.path)
+        if module.revision is None or not all((folder / f).is_file() for f in ADAPTER_FILES):
+            continue
+        digest = adapter_digest(folder)
+        if digest != module.revision:
+            raise AdapterError(
+                "revision_mismatch",
+                f"adapter {module.name!r}: the files at {module.path} are {digest}, not the"
+                f" pinned {module.revision}",
+                digest,
+            )
+
+
 def _load_engine(
     config: EngineConfig, modules: list[LoraModule], served_name: str | None
 ) -> tuple[EngineCore, str]:
@@ -369,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_ARGUMENTS
 
     try:
+        check_pinned_adapters(modules)
         core, served_model_name = _load_engine(config, modules, args.served_model_name)
     except RevisionMismatchError as error:
         logger.error("%s", error)

@@ -1,7 +1,8 @@
 """LoRA adapters through a real `llmpool serve`: by name, loaded and unloaded live, bad loads refused.
 
-One server with two adapters loaded at start (one pinned to its revision) and three slots; the
-third slot takes adapters loaded over HTTP. That an adapter's tokens equal PEFT's is tested in
+One server with two adapters loaded at start (one pinned to its revision) and four slots; the
+others take adapters loaded over HTTP (a load in place takes a free slot while the old one
+drains). That an adapter's tokens equal PEFT's is tested in
 tests/test_lora_vs_peft.py; here, that the server routes the right adapter to the engine.
 """
 
@@ -45,8 +46,8 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> Adapters:
     digests = {
         "alpha": random_adapter(root / "alpha", shape, ["q_proj", "v_proj"], rank=8, alpha=16, seed=1),
         "beta": random_adapter(root / "beta", shape, ["o_proj", "down_proj"], rank=16, alpha=32, seed=2),
-        "gamma": random_adapter(root / "gamma", shape, ["gate_proj", "up_proj"], rank=8, alpha=8, seed=3),
-        "delta": random_adapter(root / "delta", shape, ["k_proj"], rank=4, alpha=4, seed=4),
+        "gamma": random_adapter(root / "gamma", shape, ["gate_proj", "up_proj"], rank=8, alpha=32, seed=3),
+        "delta": random_adapter(root / "delta", shape, ["k_proj", "o_proj"], rank=4, alpha=16, seed=4),
     }  # fmt: skip
     random_adapter(root / "rank32", shape, ["q_proj"], rank=32, alpha=32, seed=5)
     narrow = dataclasses.replace(shape, hidden_size=shape.hidden_size // 2)
@@ -67,7 +68,7 @@ def server(
 ) -> Iterator[Any]:
     beta = {"name": "beta", "path": adapters.path("beta"), "revision": adapters.digests["beta"]}
     process = serve_process(
-        ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16",
+        ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
          "--lora-modules", f"alpha={adapters.path('alpha')}", json.dumps(beta),
          "--max-model-len", "256", "--kv-cache-memory", "32MiB", "--dtype", "float32",
          "--api-key", API_KEY, "--no-access-log"],
@@ -105,14 +106,20 @@ def complete(client: openai.OpenAI, model: str) -> str:
     return result.choices[0].text
 
 
-def test_each_adapter_answers_by_name_stream_and_not(client: openai.OpenAI) -> None:
-    texts = {model: complete(client, model) for model in (MODEL, "alpha", "beta")}
+@pytest.fixture(scope="module")
+def texts(client: openai.OpenAI) -> dict[str, str]:
+    """The greedy completion of PROMPT by the base model and by each adapter loaded at start."""
+    return {model: complete(client, model) for model in (MODEL, "alpha", "beta")}
+
+
+def test_each_adapter_answers_by_name_stream_and_not(
+    client: openai.OpenAI, texts: dict[str, str]
+) -> None:
     assert len(set(texts.values())) == 3, texts  # base, alpha and beta each change the output
-    for model in ("alpha", "beta"):
-        chunks = client.completions.create(
-            model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=True
-        )
-        assert "".join(chunk.choices[0].text for chunk in chunks) == texts[model]
+    chunks = client.completions.create(
+        model="beta", prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in chunks) == texts["beta"]
     messages = [{"role": "user", "content": "Say hello."}]
     chat = client.chat.completions.create(
         model="alpha", messages=messages, max_tokens=4, temperature=0
@@ -133,7 +140,7 @@ def test_models_lists_adapters_under_the_served_model(
 
 def test_fingerprint_shows_adapters_outside_the_pin(server: Any, adapters: Adapters) -> None:
     document = fingerprint(server)
-    assert document["lora"] == {"maxLoras": 3, "maxLoraRank": 16}
+    assert document["lora"] == {"maxLoras": 4, "maxLoraRank": 16}
     listed = {adapter["name"]: adapter for adapter in document["adapters"]}
     assert list(listed) == ["alpha", "beta"]
     assert listed["beta"]["revision"] == listed["beta"]["digest"] == adapters.digests["beta"]
@@ -144,7 +151,9 @@ def test_fingerprint_shows_adapters_outside_the_pin(server: Any, adapters: Adapt
     assert not any("lora" in key.lower() or "adapter" in key.lower() for key in document["pinned"])
 
 
-def test_load_use_unload(server: Any, client: openai.OpenAI, adapters: Adapters) -> None:
+def test_load_use_unload(
+    server: Any, client: openai.OpenAI, adapters: Adapters, texts: dict[str, str]
+) -> None:
     with pytest.raises(openai.NotFoundError):
         complete(client, "gamma")
     response = load(server, "gamma", adapters.path("gamma"))
@@ -152,7 +161,7 @@ def test_load_use_unload(server: Any, client: openai.OpenAI, adapters: Adapters)
     assert response.text == "Success: LoRA adapter 'gamma' added successfully."
     # The same name with the same files again is a no-op.
     assert load(server, "gamma", adapters.path("gamma")).status_code == 200
-    assert complete(client, "gamma") not in {complete(client, MODEL), complete(client, "alpha")}
+    assert complete(client, "gamma") not in texts.values()
     assert "gamma" in [card.id for card in client.models.list().data]
     response = unload(server, "gamma")
     assert response.status_code == 200
@@ -166,9 +175,8 @@ def test_load_use_unload(server: Any, client: openai.OpenAI, adapters: Adapters)
 
 
 def test_load_inplace_swaps_the_files_under_a_name(
-    server: Any, client: openai.OpenAI, adapters: Adapters
+    server: Any, client: openai.OpenAI, adapters: Adapters, texts: dict[str, str]
 ) -> None:
-    before = complete(client, "alpha")
     assert load(server, "swap", adapters.path("gamma")).status_code == 200
     gamma = complete(client, "swap")
     response = load(server, "swap", adapters.path("delta"))
@@ -179,7 +187,7 @@ def test_load_inplace_swaps_the_files_under_a_name(
     swapped = {a["name"]: a for a in fingerprint(server)["adapters"]}["swap"]
     assert swapped["digest"] == adapters.digests["delta"]
     assert unload(server, "swap").status_code == 200
-    assert complete(client, "alpha") == before
+    assert complete(client, "alpha") == texts["alpha"]
 
 
 @pytest.mark.parametrize(
@@ -212,18 +220,21 @@ def test_a_bad_load_is_refused_and_changes_nothing(
     assert response.json()["error"]["code"] == code
     assert fingerprint(server)["adapters"] == before
     assert httpx.get(f"{server.url}/health").status_code == 200
-    complete(client, MODEL)
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert base.usage.completion_tokens == 1
 
 
 def test_a_full_slot_table_refuses_another_adapter(server: Any, adapters: Adapters) -> None:
     assert load(server, "gamma", adapters.path("gamma")).status_code == 200
+    assert load(server, "delta", adapters.path("delta")).status_code == 200
     before = fingerprint(server)["adapters"]
-    response = load(server, "delta", adapters.path("delta"))
+    response = load(server, "epsilon", adapters.path("gamma"))
     assert response.status_code == 409 and response.json()["error"]["code"] == "lora_slots_full"
     assert fingerprint(server)["adapters"] == before
     assert unload(server, "gamma").status_code == 200
-    assert load(server, "delta", adapters.path("delta")).status_code == 200
-    assert unload(server, "delta").status_code == 200
+    assert load(server, "epsilon", adapters.path("gamma")).status_code == 200
+    for name in ("delta", "epsilon"):
+        assert unload(server, name).status_code == 200
 
 
 def test_failures_are_shown_until_a_good_load(server: Any, adapters: Adapters) -> None:
@@ -258,7 +269,7 @@ def test_metrics_count_per_adapter_and_name_the_running_ones(
 ) -> None:
     before = server.wait_idle()
     idle_info = (
-        'vllm:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""}'
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""}'
     )
     assert idle_info in before and idle_info.replace("vllm:", "llmpool:") in before
     result = client.completions.create(
@@ -286,7 +297,7 @@ def test_metrics_count_per_adapter_and_name_the_running_ones(
     stream.close()
     assert (
         running[
-            'vllm:lora_requests_info{max_lora="3",running_lora_adapters="alpha",waiting_lora_adapters=""}'
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="alpha",waiting_lora_adapters=""}'
         ]
         > 0
     )
