@@ -260,10 +260,10 @@ def lora_modules(args: argparse.Namespace) -> list[LoraModule]:
 
 def _lora_module(entry: str) -> LoraModule:
     if not entry.lstrip().startswith("{"):
-        name, equals, path = entry.partition("=")
-        if not equals or not name or not path:
+        named, equals, folder = entry.partition("=")
+        if not equals or not named or not folder:
             raise ValueError(f"--lora-modules: expected name=path or JSON, got {entry!r}")
-        return LoraModule(name, path)
+        return LoraModule(named, folder)
     try:
         document = json.loads(entry)
     except json.JSONDecodeError as error:

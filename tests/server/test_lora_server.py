@@ -224,6 +224,23 @@ def test_a_bad_load_is_refused_and_changes_nothing(
     assert base.usage.completion_tokens == 1
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/load_lora_adapter", {"lora_name": "x"}, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_name": 5, "lora_path": "/x"}, "lora_name"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x", "revision": 1}, "revision"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x", "load_inplace": "yes"}, "load_inplace"),
+        ("/v1/unload_lora_adapter", {}, "lora_name"),
+    ],
+)  # fmt: skip
+def test_a_malformed_adapter_body_is_a_400_naming_the_field(
+    server: Any, path: str, body: dict[str, Any], param: str
+) -> None:
+    response = post(server, path, body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
 def test_a_full_slot_table_refuses_another_adapter(server: Any, adapters: Adapters) -> None:
     assert load(server, "gamma", adapters.path("gamma")).status_code == 200
     assert load(server, "delta", adapters.path("delta")).status_code == 200
