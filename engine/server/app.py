@@ -194,8 +194,16 @@ class OpenAIServer:
             Route("/v1/completions", self._openai(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._openai(self.chat_completions), methods=["POST"]),
             Route("/v1/models", self._openai(self.models), methods=["GET"]),
-            Route("/v1/load_lora_adapter", self._openai(self.lora.load), methods=["POST"]),
-            Route("/v1/unload_lora_adapter", self._openai(self.lora.unload), methods=["POST"]),
+            Route(
+                "/v1/load_lora_adapter",
+                self._openai(self._stopped(self.lora.load)),
+                methods=["POST"],
+            ),
+            Route(
+                "/v1/unload_lora_adapter",
+                self._openai(self._stopped(self.lora.unload)),
+                methods=["POST"],
+            ),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -206,6 +214,20 @@ class OpenAIServer:
         self, handler: Callable[[Request], Awaitable[Response]]
     ) -> Callable[[Request], Awaitable[Response]]:
         return openai_endpoint(handler, self.settings.api_key)
+
+    @staticmethod
+    def _stopped(
+        handler: Callable[[Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """``handler`` with an engine that stops under it answered 503 with Retry-After."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except EngineStoppedError as error:
+                raise _engine_error(error) from None
+
+        return endpoint
 
     def _check_model(self, model: str | None) -> str | None:
         """The LoRA adapter the request's ``model`` names, None for the served model itself;
