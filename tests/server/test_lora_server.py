@@ -174,6 +174,23 @@ def test_load_use_unload(
     assert [a["name"] for a in fingerprint(server)["adapters"]] == ["alpha", "beta"]
 
 
+def test_an_unload_lets_running_requests_finish_and_refuses_new_ones(
+    server: Any, client: openai.OpenAI, adapters: Adapters
+) -> None:
+    assert load(server, "gamma", adapters.path("gamma")).status_code == 200
+    stream = client.completions.create(
+        model="gamma", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    assert unload(server, "gamma").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "gamma")
+    assert [chunk.choices[0].finish_reason for chunk in chunks][-1] == "length"
+    assert server.wait_idle()["llmpool:kv_cache_usage_perc"] == 0
+
+
 def test_load_inplace_swaps_the_files_under_a_name(
     server: Any, client: openai.OpenAI, adapters: Adapters, texts: dict[str, str]
 ) -> None:
