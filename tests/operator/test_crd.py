@@ -294,10 +294,12 @@ def test_the_adapter_count_rule_defaults_like_the_operator(schema):
     assert lora["maxLoraRank"]["default"] == DEFAULT_MAX_LORA_RANK
     assert (lora["maxLoraRank"]["minimum"], lora["maxLoraRank"]["maximum"]) == (1, 256)
     rules = [v["rule"] for v in cel_rules(schema)[".spec"]]
-    [count] = [r for r in rules if "size(self.adapters)" in r]
+    [count] = [r for r in rules if "size(self.adapters) <=" in r]
     assert count.endswith(f"self.lora.maxLoras : {DEFAULT_MAX_LORAS})")
     [names] = [r for r in rules if "a.name" in r]
     assert "self.model.servedName" in names and "self.model.source" in names
+    [compile_rule] = [r for r in rules if "self.engine.compile" in r]
+    assert "self.lora" in compile_rule and "self.adapters" in compile_rule
 
 
 def test_adapters_are_a_map_keyed_on_name(schema):
