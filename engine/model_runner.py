@@ -148,6 +148,7 @@ class ModelRunner:
         group_starts = np.append(starts, len(order))
         device = self.device
         return LoraBatch(
+            token_slots=torch.from_numpy(token_slots).to(device),
             sorted_tokens=torch.from_numpy(order).to(device),
             group_slots=torch.from_numpy(group_slots).to(device),
             group_starts=torch.from_numpy(group_starts.astype(np.int64)).to(device),

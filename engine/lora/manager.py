@@ -95,12 +95,13 @@ def allocate_stacks(
                 for names in parts
             ]
         )
+        # Each part's B is [S, out_j, R] with [out_j, S, R] memory: see ops.torch_lora_add.
         b.append(
             [
                 [
                     torch.zeros(
-                        max_loras, module_dims(shape, name)[1], max_rank, dtype=dtype, device=device
-                    )
+                        module_dims(shape, name)[1], max_loras, max_rank, dtype=dtype, device=device
+                    ).permute(1, 0, 2)
                     for name in names
                 ]
                 for names in parts

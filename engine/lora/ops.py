@@ -1,10 +1,14 @@
 """Applying adapters to a flat batch: each row adds ``scaling · B(A·x)`` of its adapter's slot.
 
-Rows are grouped by slot once per step (:class:`LoraBatch`, built by the model runner); rows of
-the base model are in no group and get nothing. The torch path pads the groups to one length
-and runs one batched matmul per module part, so its op count does not grow with the number of
-adapters in the step (a loop over adapters would). The Triton path (``kernels/lora.py``) reads
-the groups as they are. PEFT's order is kept: the scale multiplies B's output.
+The rows of one step are grouped by slot once (:class:`LoraBatch`, built by the model runner);
+rows of the base model are in no group and get nothing. The torch path multiplies every row by
+all slots' A in one GEMM, keeps each row's own slot (a one-hot mask) and multiplies that by all
+slots' B in one GEMM per part: a few GEMMs per module whatever the adapters in the step, which
+read each slot's weights once and go through the model's own GEMM choice (``linear``). What it
+computes for other slots is small beside the base model's GEMMs at LoRA ranks; gathering each
+group's weights or scattering its rows back cost far more on CPU (bf16 ``index_add_`` alone was
+4 ms a call). The Triton path (``kernels/lora.py``) reads the groups as they are. PEFT's order is
+kept: the scale multiplies B's output.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmpool.engine.models.linear import linear
+
 if TYPE_CHECKING:
     from llmpool.engine.attention import Backend
     from llmpool.engine.lora.manager import LoraStacks
@@ -25,6 +31,7 @@ if TYPE_CHECKING:
 class LoraBatch:
     """The rows of one step that use an adapter, grouped by the adapter's slot."""
 
+    token_slots: torch.Tensor  # int64 [T]: each row's slot, -1 for the base model
     sorted_tokens: torch.Tensor  # int64 [n]: rows of the flat batch, group after group
     group_slots: torch.Tensor  # int64 [G]: each group's slot
     group_starts: torch.Tensor  # int64 [G + 1]: where each group starts in sorted_tokens
@@ -33,27 +40,15 @@ class LoraBatch:
 
 @dataclass(frozen=True)
 class TorchLoraPlan:
-    """The groups padded to ``max_group_len`` rows: pads read row 0 and add zero."""
-
-    gather: torch.Tensor  # int64 [G * L]: the row each padded position reads
-    slots: torch.Tensor  # int64 [G]
-    scale: torch.Tensor  # [G, L, 1]: the group's scaling, 0 on pads
-    num_groups: int
-    group_len: int
+    own_slot: torch.Tensor  # [T, S, 1]: 1 at each row's slot, 0 elsewhere and on base rows
+    row_scale: torch.Tensor  # float32 [T, 1]: the scaling of each row's adapter, 0 on base rows
 
 
 def torch_lora_plan(batch: LoraBatch, scaling: torch.Tensor) -> TorchLoraPlan:
-    starts = batch.group_starts
-    lengths = starts[1:] - starts[:-1]
-    num_groups, group_len = lengths.numel(), batch.max_group_len
-    offsets = torch.arange(group_len, device=starts.device)
-    valid = offsets[None, :] < lengths[:, None]  # [G, L]
-    index = (starts[:-1, None] + offsets[None, :]).clamp(
-        max=max(batch.sorted_tokens.numel() - 1, 0)
-    )
-    gather = torch.where(valid, batch.sorted_tokens[index], 0).reshape(-1)
-    scale = (scaling[batch.group_slots][:, None] * valid).unsqueeze(-1)
-    return TorchLoraPlan(gather, batch.group_slots, scale, num_groups, group_len)
+    slots = batch.token_slots
+    own_slot = slots[:, None] == torch.arange(scaling.numel(), device=slots.device)[None, :]
+    row_scale = torch.where(slots >= 0, scaling[slots.clamp(min=0)], 0.0)
+    return TorchLoraPlan(own_slot.unsqueeze(-1), row_scale.unsqueeze(-1))
 
 
 def torch_lora_add(
@@ -65,21 +60,19 @@ def torch_lora_add(
     plan: TorchLoraPlan,
 ) -> None:
     """``out[t, off_j : off_j + out_j] += scale · (x[t] · A[slot, jR:(j+1)R]ᵀ) · B_j[slot]ᵀ``
-    for every row ``t`` in a group; ``a`` is ``[S, len(b) · R, in]``, each ``b[j]``
-    ``[S, out_j, R]``."""
-    groups, length = plan.num_groups, plan.group_len
-    rank = a.shape[1] // len(b)
-    rows = x.index_select(0, plan.gather).view(groups, length, -1)
-    shrunk = torch.bmm(rows, a.index_select(0, plan.slots).mT)  # [G, L, n · R]
-    scale = plan.scale.to(out.dtype)
+    for every row ``t`` with an adapter; ``a`` is ``[S, len(b) · R, in]``, each ``b[j]``
+    ``[S, out_j, R]`` (the manager lays it out as ``[out_j, S, R]`` in memory, so that it is one
+    ``[out_j, S · R]`` weight without a copy)."""
+    num_slots, parts_rank, in_features = a.shape
+    num_rows, rank = x.shape[0], parts_rank // len(b)
+    shrunk = linear(x, a.view(num_slots * parts_rank, in_features))
+    shrunk = shrunk.view(num_rows, num_slots, len(b), rank)
+    own_slot = plan.own_slot.to(x.dtype)
     for j, (b_j, offset) in enumerate(zip(b, offsets, strict=True)):
-        delta = torch.bmm(
-            shrunk[..., j * rank : (j + 1) * rank], b_j.index_select(0, plan.slots).mT
-        )
-        delta = (delta * scale).view(groups * length, -1)
-        part = out[:, offset : offset + b_j.shape[1]]
-        # Pads add zero to row 0, so index_add_ over all padded positions is exact.
-        part.index_add_(0, plan.gather, delta)
+        mine = (shrunk[:, :, j, :] * own_slot).view(num_rows, num_slots * rank)
+        weight = b_j.permute(1, 0, 2).reshape(b_j.shape[1], num_slots * rank)
+        delta = linear(mine, weight) * plan.row_scale.to(out.dtype)
+        out[:, offset : offset + b_j.shape[1]] += delta
 
 
 @dataclass(frozen=True)
