@@ -11,6 +11,8 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 DEVICE = os.environ.get("LLMPOOL_KERNEL_TEST_DEVICE", "cpu")
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -503,3 +505,34 @@ def test_rotary_embedding(dtype: torch.dtype, queries_per_kv: int, device: torch
     torch.testing.assert_close(actual_q, expected_q, **tol)
     torch.testing.assert_close(actual_k, expected_k, **tol)
     assert torch.equal(qkv, before), "rotary_embedding must not modify its inputs"
+
+
+LORA_TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 2e-2, "rtol": 2e-2},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=DTYPE_ID)
+@pytest.mark.parametrize("max_rank", [8, 16])
+def test_lora_add_matches_reference(
+    dtype: torch.dtype, max_rank: int, device: torch.device, lora_case: Callable[..., Any]
+) -> None:
+    # Groups of 1, 17 and 5 rows on slots 2, 0 and 3 among 7 base-model rows; 48 input features
+    # (not a multiple of the kernel's K step); parts of 32, 16 and 16 columns.
+    case = lora_case(max_rank, dtype, device)
+    expected = case.out.clone()
+    TORCH.lora_add(
+        expected, case.x, case.a, case.b, case.offsets, TORCH.lora_plan(case.batch, case.scaling)
+    )
+    plan = TRITON.lora_plan(case.batch, case.scaling)
+    # Rows per program from the longest group (one tile for 17 rows), then 16 (two tiles).
+    for block_m in (plan.block_m, 16):
+        actual = case.out.clone()
+        TRITON.lora_add(
+            actual, case.x, case.a, case.b, case.offsets, dataclasses.replace(plan, block_m=block_m)
+        )
+        torch.testing.assert_close(actual, expected, **LORA_TOL[dtype])
+        base_rows = [row for row, slot in enumerate(case.row_slots) if slot < 0]
+        assert torch.equal(actual[base_rows], case.out[base_rows])
