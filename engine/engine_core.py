@@ -17,6 +17,8 @@ from llmpool.engine.attention import check_kv_cache_dtype, select_backend
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.detokenizer import IncrementalDetokenizer
 from llmpool.engine.kv_cache_manager import KVCacheManager
+from llmpool.engine.lora.adapter import AdapterError, AdapterWeights, read_adapter
+from llmpool.engine.lora.manager import LoadedAdapter, LoraManager, UnknownAdapterError
 from llmpool.engine.model_runner import ModelRunner
 from llmpool.engine.models import bf16_gemm, linear, vnni_gemm
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
@@ -53,6 +55,8 @@ class EngineStats:
     grammar_mask_seconds: float = 0.0  # structured-output masks, computed beside the forwards
     grammar_wait_seconds: float = 0.0  # of that, what steps waited for after their forward
     grammar_steps: int = 0  # steps that computed masks
+    running_adapters: tuple[str, ...] = ()  # LoRA adapters of the running requests, sorted
+    waiting_adapters: tuple[str, ...] = ()  # and of the waiting ones
 
 
 def model_shape_for_capacity(shape: LlamaShape, num_parameters: int) -> capacity.ModelShape:
@@ -117,6 +121,13 @@ class EngineCore:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.cos_sin_cache = self.model.cos_sin_cache.to(self.device)
         self.capacity_shape = model_shape_for_capacity(self.shape, num_parameters)
+        # LoRA slots are allocated before the KV pool, so that a GPU's budget sees them.
+        self.lora: LoraManager | None = None
+        if config.enable_lora:
+            self.lora = LoraManager(
+                self.shape, config.max_loras, config.max_lora_rank, self.dtype, self.device
+            )
+            self.model.enable_lora(self.lora.stacks)
 
         num_blocks = self._num_kv_blocks()
         self.kv_cache_manager = KVCacheManager(
@@ -136,6 +147,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
         )
+        self.scheduler.on_finish = self._on_finish
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, self.shape.vocab_size, self.eos_token_ids
         )
@@ -301,12 +313,16 @@ class EngineCore:
         arrival_time: float | None = None,
         priority: int | None = None,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request, or raise InvalidRequestError (admission.py) and queue nothing.
 
         ``priority`` None means the engine's ``priority_class``; ``cache_salt`` keeps the
-        request's prefix-cache blocks apart from those of requests with another salt.
+        request's prefix-cache blocks apart from those of requests with another salt;
+        ``lora_name`` runs it with a loaded adapter (UnknownAdapterError if none is).
         """
+        if lora_name is not None and (self.lora is None or lora_name not in self.lora.registry):
+            raise UnknownAdapterError(lora_name)
         if priority is None:
             priority = PRIORITY_CLASSES[self.config.priority_class]
         sampling_params = admit(prompt_token_ids, sampling_params, priority, self.limits)
@@ -325,8 +341,13 @@ class EngineCore:
             priority,
             cache_salt=cache_salt,
             grammar=grammar,
+            lora=None if lora_name is None or self.lora is None else self.lora.acquire(lora_name),
         )
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            self._on_finish(request)
+            raise
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer,
             prompt_token_ids,
@@ -334,6 +355,49 @@ class EngineCore:
             sampling_params.include_stop_str_in_output,
             sampling_params.skip_special_tokens,
         )
+
+    def _on_finish(self, request: Request) -> None:
+        if request.lora is not None and self.lora is not None:
+            self.lora.release(request.lora.slot)
+
+    # --- adapters -------------------------------------------------------------------------
+
+    def prepare_adapter(self, name: str, path: str, revision: str | None = None) -> AdapterWeights:
+        """Read and check an adapter (any thread: it touches no engine state but the record of
+        failures); :meth:`install_adapter` then puts it in a slot."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
+        try:
+            return read_adapter(
+                name,
+                path,
+                shape=self.shape,
+                max_rank=self.lora.max_rank,
+                dtype=self.dtype,
+                revision=revision,
+            )
+        except AdapterError as error:
+            self.lora.record_failure(name, path, revision, error)
+            raise
+
+    def install_adapter(self, weights: AdapterWeights, replace: bool = False) -> LoadedAdapter:
+        """Put a prepared adapter in a slot (the engine thread, between steps)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
+        try:
+            return self.lora.install(weights, replace)
+        except AdapterError as error:
+            self.lora.record_failure(weights.name, weights.path, weights.revision, error)
+            raise
+
+    def load_adapter(self, name: str, path: str, revision: str | None = None) -> LoadedAdapter:
+        return self.install_adapter(self.prepare_adapter(name, path, revision))
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload at once for new requests; running ones finish on the adapter's slot."""
+        if self.lora is None:
+            raise UnknownAdapterError(name)
+        self.lora.unload(name)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -435,7 +499,13 @@ class EngineCore:
             grammar_mask_seconds=self.runner.timings.grammar_mask,
             grammar_wait_seconds=self.runner.timings.grammar_wait,
             grammar_steps=self.runner.timings.grammar_steps,
+            running_adapters=_adapter_names(self.scheduler.running),
+            waiting_adapters=_adapter_names(self.scheduler.waiting),
         )
+
+
+def _adapter_names(requests: list[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
 def _eos_token_ids(folder: Any, tokenizer: Any) -> frozenset[int]:

@@ -105,7 +105,7 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+            request.block_hashes, request.all_token_ids, self.block_size, request.block_salt
         )
 
     def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:

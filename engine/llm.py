@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore, EngineStats
+from llmpool.engine.lora import LoRARequest
 from llmpool.engine.outputs import CompletionOutput, RequestOutput
 from llmpool.engine.sampling_params import SamplingParams
 
@@ -37,14 +38,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order.
+
+        ``lora_request`` runs all prompts, or each prompt, with an adapter (None: the base
+        model); an adapter not loaded yet is loaded from its ``lora_path`` first."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts))
+        adapters = self._adapters(lora_request, len(prompts))
         results: dict[str, RequestOutput] = {}
         try:
-            self._add(prompts, params, priority, results)
+            self._add(prompts, params, priority, adapters, results)
             self._run(results, sum(p.n for p in params), use_tqdm)
         except BaseException:
             # An error, or Ctrl-C: none of this call's requests may stay queued or hold blocks.
@@ -56,11 +62,28 @@ class LLM:
             output.finished = True
         return list(results.values())
 
+    def _adapters(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+    ) -> list[str | None]:
+        """Each prompt's adapter name, loading the adapters the engine does not hold yet."""
+        requests = (
+            [lora_request] * count
+            if lora_request is None or isinstance(lora_request, LoRARequest)
+            else list(lora_request)
+        )
+        if len(requests) != count:
+            raise ValueError(f"{len(requests)} LoRA requests for {count} prompts")
+        loaded = self.engine.lora.registry if self.engine.lora is not None else {}
+        for request in {r for r in requests if r is not None and r.lora_name not in loaded}:
+            self.engine.load_adapter(request.lora_name, request.lora_path, request.revision)
+        return [None if r is None else r.lora_name for r in requests]
+
     def _add(
         self,
         prompts: Sequence[Prompt],
         params: list[SamplingParams],
         priority: Sequence[int] | None,
+        adapters: list[str | None],
         results: dict[str, RequestOutput],
     ) -> None:
         """Queue every prompt's children; ``results`` gets one entry per prompt as it is added."""
@@ -79,6 +102,7 @@ class LLM:
                     token_ids,
                     child_params,
                     priority=priority[index] if priority else None,
+                    lora_name=adapters[index],
                 )
 
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from llmpool.engine.attention import AttentionMetadata
 from llmpool.engine.kv_cache_manager import KVCacheManager
+from llmpool.engine.lora.ops import LoraBatch
 from llmpool.engine.models.llama import LlamaForCausalLM
 from llmpool.engine.request import Request
 from llmpool.engine.sampler import Sampler, SamplerOutput
@@ -46,6 +47,7 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose next token is sampled
     sampling_requests: list[Request] = field(default_factory=list)
+    lora: LoraBatch | None = None  # rows that run with an adapter, grouped by slot
 
 
 @dataclass
@@ -128,6 +130,28 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.from_numpy(logits_indices).to(device),
             sampling_requests=[r for r, s in zip(requests, samples, strict=True) if s],
+            lora=self._lora_batch(requests, num_scheduled),
+        )
+
+    def _lora_batch(self, requests: list[Request], num_scheduled: np.ndarray) -> LoraBatch | None:
+        """The step's adapter rows grouped by slot, or None when every row is the base model's
+        (a base-only step pays nothing for LoRA)."""
+        if all(r.lora is None for r in requests):
+            return None
+        slots = np.array([-1 if r.lora is None else r.lora.slot for r in requests], dtype=np.int64)
+        token_slots = np.repeat(slots, num_scheduled)
+        order = np.argsort(token_slots, kind="stable")
+        order = order[token_slots[order] >= 0]
+        group_slots, starts, counts = np.unique(
+            token_slots[order], return_index=True, return_counts=True
+        )
+        group_starts = np.append(starts, len(order))
+        device = self.device
+        return LoraBatch(
+            sorted_tokens=torch.from_numpy(order).to(device),
+            group_slots=torch.from_numpy(group_slots).to(device),
+            group_starts=torch.from_numpy(group_starts.astype(np.int64)).to(device),
+            max_group_len=int(counts.max()),
         )
 
     @torch.inference_mode()
@@ -141,7 +165,9 @@ class ModelRunner:
             self.timings.prepare_inputs += prepared - started
             return StepResult([], SamplerOutput(token_ids=[], logprobs=[]), failed)
         masks = self._start_masks(inputs.sampling_requests)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
+        )
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).cpu()
         forwarded = time.perf_counter()
         allowed = self._finish_masks(masks)

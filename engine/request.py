@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmpool.engine.block_hash import BlockHash
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.structured_outputs import GrammarMatcher
+
+if TYPE_CHECKING:
+    from llmpool.engine.lora.manager import LoadedAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +52,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         grammar: GrammarMatcher | None = None,
+        lora: LoadedAdapter | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -56,6 +61,11 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # The adapter the request runs with (None: the base model). Its blocks hold K/V the
+        # adapter computed, so the adapter's content digest salts their hashes: the same prompt
+        # never shares a block across adapters, and a reload of the same files shares again.
+        self.lora = lora
+        self.block_salt = cache_salt if lora is None else f"{cache_salt or ''}\0lora:{lora.digest}"
         # Its structured-output grammar, advanced by every token the request generates.
         self.grammar = grammar
         # Hashes of the full blocks of all_token_ids so far (prefix caching), filled lazily.

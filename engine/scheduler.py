@@ -8,6 +8,7 @@ Prefill chunks, decodes and recomputes after preemption are the same thing with 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmpool.engine.kv_cache_manager import KVCacheManager
@@ -62,6 +63,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Called once for every request that leaves the engine (the LoRA slot refcount).
+        self.on_finish: Callable[[Request], None] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -233,6 +236,8 @@ class Scheduler:
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        if self.on_finish is not None:
+            self.on_finish(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

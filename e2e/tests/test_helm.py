@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import IMAGE, ClusterHandle, pod_ready, wait_for
+from harness import IMAGE, ClusterHandle, pod_ready, run_client_job, wait_for
 
 from llmpool.fleet_key import ENGINE_KEY_FIELD
 from llmpool.operator import naming
@@ -317,62 +317,6 @@ def test_install_serve_upgrade_uninstall(
         90,
     )
     assert not cluster.kubectl("get", "llmpools,deployments", "-n", pools_namespace, "-o", "name")
-
-
-# OpenAI clients in a pod of the project's image (which carries the `bench` extra, hence
-# `openai`): argv base URL, model, number of chat completions, each from a new client, as from
-# independent users. (kube-proxy balances connections, not requests: one client's keep-alive
-# connection stays on one replica, which is what the gateway is for.) The key is the pool's,
-# from its Secret (OPENAI_API_KEY, as the openai client reads it).
-CHAT_CLIENT = (
-    "import os, sys, openai\n"
-    "base_url, model, count = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
-    "for _ in range(count):\n"
-    "    client = openai.OpenAI(base_url=base_url, api_key=os.environ['OPENAI_API_KEY'],\n"
-    "                           timeout=120, max_retries=5)\n"
-    "    reply = client.chat.completions.create(model=model, max_tokens=4,\n"
-    "        messages=[{'role': 'user', 'content': 'Say hello.'}])\n"
-    "    print(reply.model, reply.choices[0].finish_reason, reply.usage.completion_tokens)\n"
-    "    client.close()\n"
-)
-
-
-def run_client_job(cluster: ClusterHandle, namespace: str, name: str, pool: str, *argv: str) -> str:
-    """Run CHAT_CLIENT as a Job in ``namespace`` with ``pool``'s engine key; return its output
-    once it succeeded."""
-    key = {"name": naming.engine_key_secret_name(pool), "key": ENGINE_KEY_FIELD}
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name},
-        "spec": {
-            "backoffLimit": 0,
-            "template": {
-                "spec": {
-                    "restartPolicy": "Never",
-                    "containers": [
-                        {
-                            "name": "client",
-                            "image": IMAGE,
-                            "imagePullPolicy": "IfNotPresent",
-                            "command": ["python3", "-c", CHAT_CLIENT, *argv],
-                            "env": [{"name": "OPENAI_API_KEY", "valueFrom": {"secretKeyRef": key}}],
-                        }
-                    ],
-                }
-            },
-        },
-    }
-    cluster.apply(job, namespace=namespace)
-
-    def finished() -> dict[str, Any] | None:
-        status = cluster.get("job", name, "-n", namespace).get("status", {})
-        return status if status.get("succeeded") or status.get("failed") else None
-
-    status = wait_for(f"Job {name}", finished, 300, interval=1)
-    logs = cluster.kubectl("logs", f"job/{name}", "-n", namespace)
-    assert status.get("succeeded") == 1, logs
-    return logs
 
 
 def engine_requests(pod: dict[str, Any]) -> float:

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from llmpool.engine.attention import AttentionMetadata, Backend
 from llmpool.engine.attention.step import layer_attention, step_attention
+from llmpool.engine.lora import DOWN, GATE_UP, O_PROJ, QKV
+from llmpool.engine.lora.ops import LoraBatch, lora_add, step_lora
 from llmpool.engine.models.linear import Linear, linear
+
+if TYPE_CHECKING:
+    from llmpool.engine.lora.manager import LoraStacks
 
 
 @dataclass(frozen=True)
@@ -99,9 +104,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, shape: LlamaShape) -> None:
+    def __init__(self, shape: LlamaShape, index: int) -> None:
         super().__init__()
         self.shape = shape
+        self.index = index
+        # Whether the step's adapter deltas are added (LlamaForCausalLM.enable_lora).
+        self.lora = False
         q_size = shape.num_heads * shape.head_dim
         kv_size = shape.num_kv_heads * shape.head_dim
         self.input_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
@@ -136,7 +144,10 @@ class LlamaLayer(nn.Module):
                 hidden, residual, self.input_layernorm, shape.rms_norm_eps
             )
         num_tokens = hidden.shape[0]
-        query, key, value = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.lora:
+            lora_add(qkv, hidden, self.index, QKV)
+        query, key, value = qkv.split(self.split_sizes, dim=-1)
         query = query.view(num_tokens, shape.num_heads, shape.head_dim)
         key = key.view(num_tokens, shape.num_kv_heads, shape.head_dim)
         value = value.view(num_tokens, shape.num_kv_heads, shape.head_dim)
@@ -145,12 +156,22 @@ class LlamaLayer(nn.Module):
         attended = layer_attention()(
             query, key, value, key_cache, value_cache, self.scale, self.k_scale, self.v_scale
         )
-        hidden = self.o_proj(attended.view(num_tokens, -1))
+        attended = attended.view(num_tokens, -1)
+        hidden = self.o_proj(attended)
+        if self.lora:
+            lora_add(hidden, attended, self.index, O_PROJ)
         hidden, residual = backend.fused_add_rms_norm(
             hidden, residual, self.post_attention_layernorm, shape.rms_norm_eps
         )
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up), residual
+        gate_up = self.gate_up_proj(hidden)
+        if self.lora:
+            lora_add(gate_up, hidden, self.index, GATE_UP)
+        gate, up = gate_up.chunk(2, dim=-1)
+        activated = nn.functional.silu(gate) * up
+        out = self.down_proj(activated)
+        if self.lora:
+            lora_add(out, activated, self.index, DOWN)
+        return out, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,7 +182,8 @@ class LlamaForCausalLM(nn.Module):
         self.shape = shape
         self.backend = backend
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(shape) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(shape, i) for i in range(shape.num_layers))
+        self.lora_stacks: LoraStacks | None = None
         self.norm = nn.Parameter(torch.ones(shape.hidden_size))
         if shape.tie_word_embeddings:
             self.lm_head = self.embed_tokens.weight
@@ -176,10 +198,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` after the final norm."""
-        with step_attention(self.backend, meta):
+        """Hidden states ``[num_tokens, hidden]`` after the final norm; ``lora`` groups the
+        rows that run with an adapter (None: all run the base model)."""
+        with step_attention(self.backend, meta), step_lora(self.backend, self.lora_stacks, lora):
             return self.decoder(input_ids, positions, kv_caches)
+
+    def enable_lora(self, stacks: LoraStacks) -> None:
+        """Add the adapters of ``stacks``' slots to every projection, per row group."""
+        self.lora_stacks = stacks
+        for layer in self.layers:
+            layer.lora = True
 
     def decoder(
         self,
