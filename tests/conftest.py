@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Triton reads this once, at import; whichever test imports it first (HF generate does), the
 # kernel tests must find it interpreting on CPU. LLMPOOL_KERNEL_TEST_DEVICE=cuda runs them on GPU.
@@ -48,6 +50,23 @@ def reference_new_tokens() -> int:
 @pytest.fixture(scope="session")
 def builtin_folder() -> Path:
     return model_source.resolve(None).folder
+
+
+@pytest.fixture(scope="session")
+def save_small_checkpoint(builtin_folder: Path) -> Callable[[Any, Path], Path]:
+    """Writes a randomly initialised model of an HF config, with the built-in model's tokenizer,
+    into a folder that ``LLM(str(folder))`` loads."""
+
+    def save(config: Any, folder: Path) -> Path:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(builtin_folder / name, folder / name)
+        return folder
+
+    return save
 
 
 @pytest.fixture(scope="session")
