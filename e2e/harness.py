@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -159,7 +160,10 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-CRDS = Path(__file__).resolve().parents[1] / "crds"
+ROOT = Path(__file__).resolve().parents[1]
+CRDS = ROOT / "crds"
+# How long an engine pod may take to become Ready (the first start converts the built-in model).
+ENGINE_START_SECONDS = 600
 
 
 @contextmanager
@@ -303,3 +307,51 @@ def run_client_job(cluster: ClusterHandle, namespace: str, name: str, pool: str,
     logs = cluster.kubectl("logs", f"job/{name}", "-n", namespace)
     assert status.get("succeeded") == 1, logs
     return logs
+
+
+def example(file: str, replicas: int) -> list[dict[str, Any]]:
+    """An example's documents, its pool made small: ``replicas`` replicas, short context, a
+    small KV cache and no resource requests."""
+    documents = [d for d in yaml.safe_load_all((ROOT / "examples" / file).read_text()) if d]
+    spec = next(d for d in documents if d["kind"] == naming.KIND)["spec"]
+    spec["replicas"] = replicas
+    spec["maxModelLen"] = 512
+    spec["engine"] = {
+        **spec["engine"], "maxNumSeqs": 8, "maxNumBatchedTokens": 512, "kvCacheMemory": "32Mi",
+    }  # fmt: skip
+    spec.pop("resources", None)
+    return documents
+
+
+def pool_status(cluster: ClusterHandle, namespace: str, name: str) -> dict[str, Any]:
+    return cluster.get("llmpool", name, "-n", namespace).get("status") or {}
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+def wait_pool_ready(cluster: ClusterHandle, namespace: str, name: str) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        status = pool_status(cluster, namespace, name)
+        return status if condition(status, "Ready").get("status") == "True" else None
+
+    return wait_for(f"LLMPool {name} Ready", ready, ENGINE_START_SECONDS, 1)
+
+
+def live_pods(cluster: ClusterHandle, namespace: str, pool: str) -> list[dict[str, Any]]:
+    pods = cluster.get("pods", "-n", namespace, "-l", naming.selector_string(pool))["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key)
+    }
+
+
+def engine_key(cluster: ClusterHandle, namespace: str, pool: str) -> str:
+    """The key a pool's engines require (the chart's fleet key is on by default): what a
+    caller of the pool's ``status.endpoint`` reads from the pool's Secret."""
+    secret = cluster.get("secret", naming.engine_key_secret_name(pool), "-n", namespace)
+    return base64.b64decode(secret["data"][ENGINE_KEY_FIELD]).decode()

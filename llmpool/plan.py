@@ -18,6 +18,11 @@ from llmpool.engine.config import parse_bytes
 
 BUILTIN_PREFIX = "builtin://"
 DEFAULT_MODEL = BUILTIN_PREFIX + "smollm2-135m-instruct"
+# The engine's defaults (EngineConfig.max_loras, max_lora_rank), as vLLM's.
+DEFAULT_MAX_LORAS = 1
+DEFAULT_MAX_LORA_RANK = 16
+MAX_LORAS = 64
+MAX_LORA_RANK = 256
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,9 @@ class Plan:
     max_model_len: int
     memory_bytes: int
     weight_bytes: int
+    max_loras: int  # 0: LoRA off
+    max_lora_rank: int
+    lora_bytes: int
     kv_cache_bytes: int
     kv_bytes_per_token: int
     kv_bytes_per_sequence: int
@@ -59,8 +67,12 @@ def make_plan(
     kv_cache_dtype: str = "auto",
     quantization: str = "none",
     block_size: int = 16,
+    max_loras: int = 0,
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
 ) -> Plan:
-    """Weights first; the KV pool gets what is left of ``memory_bytes``, in whole blocks."""
+    """Weights first, then ``max_loras`` LoRA slots of rank ``max_lora_rank`` (0: LoRA off;
+    the engine allocates them before its KV pool); the KV pool gets what is left of
+    ``memory_bytes``, in whole blocks."""
     shape = model_shape(model)
     max_model_len = max_model_len or shape.max_position_embeddings
     if max_model_len > shape.max_position_embeddings:
@@ -68,12 +80,19 @@ def make_plan(
             f"max_model_len {max_model_len:,} exceeds the model's context length"
             f" {shape.max_position_embeddings:,}"
         )
+    if max_loras and not (1 <= max_loras <= MAX_LORAS and 1 <= max_lora_rank <= MAX_LORA_RANK):
+        raise ValueError(
+            f"max_loras must be in 1..{MAX_LORAS} and max_lora_rank in 1..{MAX_LORA_RANK}"
+            f" (the engine's limits), got {max_loras} and {max_lora_rank}"
+        )
     kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     weights = capacity.weight_bytes(shape, dtype, quantization)
-    kv_cache_bytes = memory_bytes - weights
+    lora_bytes = max_loras * capacity.lora_slot_bytes(shape, max_lora_rank, dtype)
+    kv_cache_bytes = memory_bytes - weights - lora_bytes
     if kv_cache_bytes <= 0:
+        slots = f" and {max_loras} LoRA slot(s) {lora_bytes:,}" if max_loras else ""
         raise ValueError(
-            f"the weights need {weights:,} bytes; the memory given is {memory_bytes:,} bytes"
+            f"the weights need {weights:,} bytes{slots}; the memory given is {memory_bytes:,} bytes"
         )
     num_blocks = capacity.num_kv_blocks(shape, kv_dtype, block_size, kv_cache_bytes)
     per_token = capacity.kv_bytes_per_token(shape, kv_dtype)
@@ -86,6 +105,9 @@ def make_plan(
         max_model_len=max_model_len,
         memory_bytes=memory_bytes,
         weight_bytes=weights,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        lora_bytes=lora_bytes,
         kv_cache_bytes=kv_cache_bytes,
         kv_bytes_per_token=per_token,
         kv_bytes_per_sequence=per_token * max_model_len,
@@ -103,6 +125,16 @@ def render(plan: Plan) -> str:
     rows = [
         ("model", plan.model),
         ("weights", f"{size(plan.weight_bytes)}, {plan.dtype}, quantization {plan.quantization}"),
+        *(
+            [
+                (
+                    "LoRA slots",
+                    f"{size(plan.lora_bytes)}, {plan.max_loras} of rank {plan.max_lora_rank}",
+                )
+            ]
+            if plan.max_loras
+            else []
+        ),
         ("KV cache dtype", plan.kv_cache_dtype),
         ("KV bytes per token", f"{plan.kv_bytes_per_token:,}"),
         (
@@ -142,12 +174,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization", choices=sorted(capacity.QUANTIZATION_BYTES), default="none"
     )
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="count LoRA adapter slots (implied by --max-loras or --max-lora-rank)",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help=f"resident LoRA adapters, one slot each (default {DEFAULT_MAX_LORAS})",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help=f"rank every slot is sized for (default {DEFAULT_MAX_LORA_RANK})",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    lora = args.enable_lora or args.max_loras is not None or args.max_lora_rank is not None
     try:
         plan = make_plan(
             args.model,
@@ -157,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
             args.kv_cache_dtype,
             args.quantization,
             args.block_size,
+            max_loras=(DEFAULT_MAX_LORAS if args.max_loras is None else args.max_loras)
+            if lora
+            else 0,
+            max_lora_rank=DEFAULT_MAX_LORA_RANK
+            if args.max_lora_rank is None
+            else args.max_lora_rank,
         )
     except ValueError as error:
         print(f"llmpool plan: {error}", file=sys.stderr)

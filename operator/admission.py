@@ -10,6 +10,7 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
+from llmpool.operator import adapters
 from llmpool.operator.spec import PoolSpec
 
 IMAGE_NOT_ALLOWED = "ImageNotAllowed"
@@ -79,19 +80,34 @@ def refusal(spec: PoolSpec, policy: Policy) -> Refusal | None:
         )
         return Refusal(IMAGE_NOT_ALLOWED, message)
     if spec.source.startswith("file://"):
-        path = spec.source.removeprefix("file://")
-        if not policy.allow_host_path_models:
-            message = (
-                f"spec.model.source {spec.source} would mount a node path, and the operator does "
-                "not allow hostPath models (flag --allow-host-path-models, chart value "
-                "allowHostPathModels)"
+        return _host_path_refusal(
+            "spec.model.source", spec.source, spec.source.removeprefix("file://"), policy
+        )
+    for adapter in spec.adapters:
+        root = adapters.mount_root(adapter.source)
+        if adapter.source.startswith("file://") and root is not None:
+            found = _host_path_refusal(
+                f"spec.adapters[{adapter.name}].source", adapter.source, root, policy
             )
-            return Refusal(HOST_PATH_NOT_ALLOWED, message)
-        if not host_path_allowed(path, policy.allowed_host_path_prefixes):
-            allowed = ", ".join(policy.allowed_host_path_prefixes)
-            message = (
-                f"spec.model.source {spec.source} is not under an allowed host path prefix "
-                f"({allowed}; flag --allowed-host-path-prefix, chart value allowedHostPathPrefixes)"
-            )
-            return Refusal(HOST_PATH_NOT_ALLOWED, message)
+            if found is not None:
+                return found
+    return None
+
+
+def _host_path_refusal(field: str, source: str, path: str, policy: Policy) -> Refusal | None:
+    """Why the node path ``path`` that ``source`` mounts may not be mounted, or None."""
+    if not policy.allow_host_path_models:
+        message = (
+            f"{field} {source} would mount a node path, and the operator does not allow "
+            "hostPath models (flag --allow-host-path-models, chart value allowHostPathModels)"
+        )
+        return Refusal(HOST_PATH_NOT_ALLOWED, message)
+    if not host_path_allowed(path, policy.allowed_host_path_prefixes):
+        allowed = ", ".join(policy.allowed_host_path_prefixes)
+        mounted = "" if source.endswith(path) else f" (its folder {path} is mounted)"
+        message = (
+            f"{field} {source} is not under an allowed host path prefix{mounted} "
+            f"({allowed}; flag --allowed-host-path-prefix, chart value allowedHostPathPrefixes)"
+        )
+        return Refusal(HOST_PATH_NOT_ALLOWED, message)
     return None

@@ -50,5 +50,14 @@ def engine_args(spec: PoolSpec) -> list[str]:
         args += ["--chat-template", CHAT_TEMPLATE_PATH]
     if engine.compile:
         args.append("--compile")
+    lora = spec.lora_settings
+    if lora is not None:
+        # Slots only, never --lora-modules: the operator loads the adapters over HTTP
+        # (operator/adapters.py), so that adding or removing one never changes the template.
+        args += [
+            "--enable-lora",
+            "--max-loras", str(lora.max_loras),
+            "--max-lora-rank", str(lora.max_lora_rank),
+        ]  # fmt: skip
     args += ["--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT)]
     return args

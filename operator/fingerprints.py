@@ -1,12 +1,13 @@
-"""GET /fingerprint (or another path) from every ready engine pod, concurrently, briefly."""
+"""GET /fingerprint (or another path) from every ready engine pod, concurrently, briefly; and
+POST to one pod's API (adapter loads) with the pool's engine key."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -18,6 +19,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_SECONDS = 2.0
+# An adapter load reads and hashes the adapter's files before it answers.
+POST_TIMEOUT_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,21 @@ async def fetch_fingerprints(
         pods, "/fingerprint", _fingerprint, timeout=timeout, transport=transport
     )
     return FingerprintReport(fingerprints=list(answered.values()), unreachable=failed)
+
+
+async def post_to_pod(
+    pod: PodView,
+    path: str,
+    body: Mapping[str, Any],
+    engine_key: str | None,
+    *,
+    timeout: float = POST_TIMEOUT_SECONDS,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> httpx.Response:
+    """POST ``body`` as JSON to ``path`` of ``pod`` (an ``/v1`` route: behind the pool's engine
+    key unless the pool is open). Any answer is returned; a transport failure raises."""
+    if pod.ip is None:
+        raise ValueError(f"pod {pod.name} has no IP")
+    headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
+    async with httpx.AsyncClient(timeout=timeout, transport=transport) as client:
+        return await client.post(engine_url(pod.ip, path), json=dict(body), headers=headers)

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import httpx
 import kopf
 from kubernetes.client import ApiException
 
@@ -32,6 +33,7 @@ from llmpool import pinning
 from llmpool.fleet_key import FleetKey
 from llmpool.load import DEMAND_GATEWAYS_FIELD, Demand, demand_records, stale_replicas
 from llmpool.operator import (
+    adapters,
     admission,
     autoscaling,
     children,
@@ -282,7 +284,9 @@ def _restore_due(memo: kopf.Memo) -> bool:
 
 
 def _drift_check_due(memo: kopf.Memo, pool: PoolSpec, pods: list[PodView]) -> bool:
-    signature = _pods_signature(pods)
+    """Every drift interval, and at once when the pods or the adapters of the spec change (the
+    check is where adapters are loaded and unloaded)."""
+    signature = (_pods_signature(pods), pool.lora_settings, pool.adapters)
     last_check = memo.get("last_drift_check", float("-inf"))
     due = signature != memo.get("pods_signature") or (
         time.monotonic() - last_check >= pool.drift_interval_seconds
@@ -471,23 +475,105 @@ def _reconciled_events(body: kopf.Body, status: Mapping[str, Any], applied: Appl
         kopf.event(body, type="Normal", reason="RolloutStarted", message=message)
 
 
+@dataclass(frozen=True)
+class DriftCheck:
+    """What one fingerprint check found: the drift entries (pinned fields, observed digests and
+    adapters), how many replicas answered, and ``status.adapters``."""
+
+    entries: list[drift.DriftEntry]
+    checked: int
+    adapters: list[dict[str, Any]]
+
+
 async def _check_drift(
-    body: kopf.Body, pods: list[PodView], pinned: Mapping[str, Any], digest: str
-) -> tuple[list[drift.DriftEntry], int]:
-    """Fingerprint the ready pods: the drift entries, and how many replicas answered."""
+    body: kopf.Body,
+    pool: PoolSpec,
+    pods: list[PodView],
+    pinned: Mapping[str, Any],
+    digest: str,
+    memo: kopf.Memo,
+) -> DriftCheck:
+    """Fingerprint the ready pods, bring their adapters in line with the spec, and judge them."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     report = await fingerprints.fetch_fingerprints(pods)
     for pod, why in report.unreachable.items():
         # Logged, not an Event: a pod on its way down would raise one every interval.
         metrics.FINGERPRINT_ERRORS.labels(namespace, name).inc()
         logger.warning("%s/%s: GET /fingerprint of pod %s failed: %s", namespace, name, pod, why)
-    entries = drift.classify_drift(report.fingerprints, pinned, digest)
+    found = report.fingerprints
+    entries = drift.classify_drift(found, pinned, digest)
+    if pool.lora_settings is not None:
+        key = _engine_key(memo, namespace, name)
+        found, adapter_entries = await _converge_adapters(
+            body, pool, pods, found, digest, key, memo
+        )
+        entries = sorted([*entries, *adapter_entries], key=lambda e: (e.pod, e.field))
     already_reported = {entry.get("pod") for entry in (body.get("status") or {}).get("drift") or []}
     for entry in entries:
         if entry.pod not in already_reported:
             message = f"pod {entry.pod}: {entry.field} is {entry.actual}, expected {entry.expected}"
             kopf.warn(body, reason="DriftDetected", message=message)
-    return entries, len(report.fingerprints)
+    return DriftCheck(entries, len(found), adapters.adapter_status(pool.adapters, found))
+
+
+def _adapter_retry_due(memo: kopf.Memo, pool: PoolSpec) -> bool:
+    """Whether loads that replicas refused are tried again this pass: once per drift interval
+    (a replaced file, a fixed volume), never on every pass."""
+    due = time.monotonic() - memo.get("adapter_retry_at", float("-inf")) >= (
+        pool.drift_interval_seconds
+    )
+    if due:
+        memo["adapter_retry_at"] = time.monotonic()
+    return due
+
+
+async def _converge_adapters(
+    body: kopf.Body,
+    pool: PoolSpec,
+    pods: list[PodView],
+    found: list[drift.Fingerprint],
+    digest: str,
+    engine_key: str | None,
+    memo: kopf.Memo,
+) -> tuple[list[drift.Fingerprint], list[drift.DriftEntry]]:
+    """POST the planned loads, reloads and unloads (unloads first, to free slots; each group
+    concurrently), fingerprint the pods acted on again, and judge the adapters from that.
+
+    When every action succeeded the next pass checks again at once, so that reloads held back
+    by ``rollout.maxUnavailable`` follow without waiting for the drift interval."""
+    current = adapters.replicas(found, pods, digest)
+    actions = adapters.plan_actions(
+        pool.adapters,
+        current,
+        max_reloading_pods=pool.max_unavailable,
+        retry_failed=_adapter_retry_due(memo, pool),
+    )
+    if actions:
+        by_name = {p.name: p for p in pods}
+
+        async def post(action: adapters.Action) -> adapters.Outcome:
+            try:
+                response = await fingerprints.post_to_pod(
+                    by_name[action.pod], action.path, action.body, engine_key
+                )
+            except (httpx.HTTPError, ValueError) as error:
+                return adapters.Outcome(action, None, f"{type(error).__name__}: {error}")
+            return adapters.Outcome.of(action, response.status_code, response.text)
+
+        outcomes = []
+        for group in adapters.in_order(actions):
+            outcomes += await asyncio.gather(*(post(action) for action in group))
+        acted = sorted({a.pod for a in actions})
+        again = await fingerprints.fetch_fingerprints([by_name[pod] for pod in acted])
+        fresh = {f.pod: f for f in again.fingerprints}
+        found = [fresh.get(f.pod, f) for f in found]
+        after = adapters.replicas(found, pods, digest)
+        for event in adapters.action_events(outcomes, before=current, after=after):
+            kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        if all(outcome.ok for outcome in outcomes):
+            memo.pop("last_drift_check", None)
+        current = after
+    return found, adapters.classify_adapter_drift(pool.adapters, current)
 
 
 async def _autoscale(
@@ -624,8 +710,10 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
 
     entries: list[drift.DriftEntry] | None = None
     checked = 0
+    status_adapters: list[dict[str, Any]] | None = None
     if check_due and blocked is None and digest is not None:
-        entries, checked = await _check_drift(body, pods, pinned, digest)
+        check = await _check_drift(body, pool, pods, pinned, digest, memo)
+        entries, checked, status_adapters = check.entries, check.checked, check.adapters
 
     victims: list[str] = []
     gave_up: str | None = None
@@ -680,6 +768,7 @@ async def _converge(body: kopf.Body, memo: kopf.Memo, observed: Observed) -> Non
         problems=problems,
         drift=entries,
         checked_replicas=checked,
+        adapters=status_adapters,
         blocked=blocked,
         drift_persists=gave_up,
     )

@@ -22,6 +22,9 @@ DIGEST_ANNOTATION = "llmpool.dev/pinned-digest"
 # A short hash of the pool's engine key on the pod template: a rotated fleet key rolls the pods
 # (the engine reads its key once, at start), while the key itself stays in the Secret.
 ENGINE_KEY_HASH_ANNOTATION = "llmpool.dev/engine-key-hash"
+# On the pod template of a pool with LoRA on: the folders its pods mount that adapters may be
+# read from, as a JSON list; the operator loads an adapter only on pods that can read it.
+ADAPTER_ROOTS_ANNOTATION = "llmpool.dev/adapter-roots"
 
 ENGINE_PORT = 8000
 ENGINE_PORT_NAME = "http"

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
+import posixpath
 from typing import Any
 
 from llmpool import fleet_key, pinning
-from llmpool.operator import naming
+from llmpool.operator import adapters, naming
 from llmpool.operator.engine_args import engine_args, quantity_bytes
 from llmpool.operator.sizing import default_memory_limit
 from llmpool.operator.spec import PoolSpec
@@ -131,6 +133,40 @@ def _model_volumes(source: str) -> tuple[list[dict], list[dict]]:
     return [], []
 
 
+def _adapter_volume_source(source: str, root: str) -> dict:
+    if source.startswith("pvc://"):
+        claim = source.removeprefix("pvc://").split("/", 1)[0]
+        return {"persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    return {"hostPath": {"path": root}}
+
+
+def _adapter_volumes(spec: PoolSpec) -> tuple[list[dict], list[dict], list[str]]:
+    """Volumes and mounts for the adapters' folders, and every root the pods can read adapters
+    from (the model's mount included).
+
+    One volume per distinct root, none for a root inside another mounted one, named after its
+    path and listed in path order: adding an adapter under a mounted root leaves the pod
+    template as it is, so the running pods load it without a restart.
+    """
+    roots = [mount["mountPath"] for mount in _model_volumes(spec.source)[1]]
+    wanted = {
+        root: _adapter_volume_source(a.source, root)
+        for a in spec.adapters
+        if (root := adapters.mount_root(a.source)) is not None
+    }
+    added: dict[str, dict] = {}
+    for root in sorted(wanted, key=lambda r: (posixpath.normpath(r).count("/"), r)):
+        if not any(adapters.under(root, mounted) for mounted in roots):
+            roots.append(root)
+            added[root] = wanted[root]
+    volumes, mounts = [], []
+    for root in sorted(added):
+        name = "adapters-" + hashlib.sha256(root.encode()).hexdigest()[:12]
+        volumes.append({"name": name, **added[root]})
+        mounts.append({"name": name, "mountPath": root, "readOnly": True})
+    return volumes, mounts, sorted(roots)
+
+
 def _engine_container(spec: PoolSpec, image: str) -> dict:
     port = naming.ENGINE_PORT_NAME
     container: dict[str, Any] = {
@@ -246,6 +282,11 @@ def render_deployment(
     model_volumes, model_mounts = _model_volumes(spec.source)
     volumes += model_volumes
     container["volumeMounts"] += model_mounts
+    if spec.lora_settings is not None:
+        adapter_volumes, adapter_mounts, roots = _adapter_volumes(spec)
+        volumes += adapter_volumes
+        container["volumeMounts"] += adapter_mounts
+        template_annotations[naming.ADAPTER_ROOTS_ANNOTATION] = json.dumps(roots)
 
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,

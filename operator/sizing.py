@@ -36,6 +36,21 @@ def kv_dtype(spec: PoolSpec) -> str:
     return "bfloat16" if on_gpu(spec) else "float32"
 
 
+def weight_dtype(spec: PoolSpec) -> str:
+    """The dtype of the weights and LoRA slots as loaded, before any quantization: the widest
+    ``auto`` can pick, bfloat16 on an accelerator and float32 on CPU."""
+    return "bfloat16" if on_gpu(spec) else "float32"
+
+
+def lora_bytes(spec: PoolSpec, shape: capacity.ModelShape) -> int:
+    """Memory of the pool's LoRA slots (0 with LoRA off): the engine allocates ``maxLoras``
+    slots of ``maxLoraRank`` at start, whether or not adapters are loaded."""
+    lora = spec.lora_settings
+    if lora is None:
+        return 0
+    return lora.max_loras * capacity.lora_slot_bytes(shape, lora.max_lora_rank, weight_dtype(spec))
+
+
 def builtin_shape(source: str) -> capacity.ModelShape | None:
     if not source.startswith("builtin://"):
         return None
@@ -49,6 +64,8 @@ def size_pool(spec: PoolSpec) -> Sizing:
         return Sizing({"message": "sizing needs the model's shape; known for built-in models only"})
     dtype = kv_dtype(spec)
     result: dict[str, Any] = {"kvBytesPerToken": capacity.kv_bytes_per_token(shape, dtype)}
+    if spec.lora_settings is not None:
+        result["loraBytes"] = lora_bytes(spec, shape)
     problems = []
     if spec.max_model_len > shape.max_position_embeddings:
         problems.append(
@@ -77,19 +94,18 @@ def size_pool(spec: PoolSpec) -> Sizing:
 
 def default_memory_limit(spec: PoolSpec) -> str | None:
     """The engine container's memory limit when the spec sets none: the weights as loaded,
-    before any quantization (float32 on CPU, the widest ``auto`` can pick), the KV cache when it
-    lives in host memory (CPU), and the runtime. None when that cannot be known: a model without
+    before any quantization (float32 on CPU, the widest ``auto`` can pick), the KV cache and
+    the LoRA slots when they live in host memory (CPU), and the runtime. None when that cannot be known: a model without
     a known shape, or a CPU pool whose KV cache the engine sizes from the node (no
     ``engine.kvCacheMemory``)."""
     shape = builtin_shape(spec.source)
     if shape is None:
         return None
-    gpu = on_gpu(spec)
-    weights = capacity.weight_bytes(shape, "bfloat16" if gpu else "float32")
-    kv_cache = 0
-    if not gpu:
+    weights = capacity.weight_bytes(shape, weight_dtype(spec))
+    host_buffers = 0
+    if not on_gpu(spec):
         if spec.engine.kv_cache_memory is None:
             return None
-        kv_cache = quantity_bytes(spec.engine.kv_cache_memory)
-    total = weights + kv_cache + ENGINE_RUNTIME_BYTES
+        host_buffers = quantity_bytes(spec.engine.kv_cache_memory) + lora_bytes(spec, shape)
+    total = weights + host_buffers + ENGINE_RUNTIME_BYTES
     return f"{-(-total // MEBIBYTE)}Mi"

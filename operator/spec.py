@@ -17,6 +17,8 @@ DEFAULT_DRIFT_POLICY = "Report"
 DEFAULT_DRIFT_INTERVAL_SECONDS = 30
 DEFAULT_MAX_UNAVAILABLE = 1
 DEFAULT_MAX_SURGE = 1
+DEFAULT_MAX_LORAS = 4
+DEFAULT_MAX_LORA_RANK = 16
 # Long enough for a CPU replica to finish generations of a few thousand tokens after SIGTERM.
 DEFAULT_DRAIN_SECONDS = 120
 
@@ -90,6 +92,38 @@ class ChatTemplateRef:
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """``spec.lora``: the adapter slots every replica preallocates (``--max-loras``,
+    ``--max-lora-rank``)."""
+
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+
+    @classmethod
+    def from_dict(cls, lora: Mapping[str, Any]) -> LoraSettings:
+        return cls(
+            max_loras=lora.get("maxLoras", DEFAULT_MAX_LORAS),
+            max_lora_rank=lora.get("maxLoraRank", DEFAULT_MAX_LORA_RANK),
+        )
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One of ``spec.adapters``: a LoRA adapter folder pinned by the sha256 of its files.
+
+    Outside the pin: the operator loads and unloads adapters on running replicas over HTTP.
+    """
+
+    name: str
+    source: str
+    revision: str
+
+    @classmethod
+    def from_dict(cls, adapter: Mapping[str, Any]) -> AdapterSpec:
+        return cls(name=adapter["name"], source=adapter["source"], revision=adapter["revision"])
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     source: str
     revision: str
@@ -113,6 +147,16 @@ class PoolSpec:
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: list[Mapping[str, Any]] = field(default_factory=list)
+    lora: LoraSettings | None = None
+    adapters: tuple[AdapterSpec, ...] = ()
+
+    @property
+    def lora_settings(self) -> LoraSettings | None:
+        """The slots the replicas run with: ``spec.lora``, its defaults when only adapters are
+        given, None when LoRA is off (neither)."""
+        if self.lora is None and not self.adapters:
+            return None
+        return self.lora or LoraSettings()
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> PoolSpec:
@@ -149,4 +193,6 @@ class PoolSpec:
             resources=spec.get("resources") or {},
             node_selector=spec.get("nodeSelector") or {},
             tolerations=list(spec.get("tolerations") or []),
+            lora=LoraSettings.from_dict(spec["lora"]) if spec.get("lora") is not None else None,
+            adapters=tuple(AdapterSpec.from_dict(a) for a in spec.get("adapters") or []),
         )

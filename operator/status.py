@@ -175,6 +175,9 @@ class Observation:
     served_name: str = ""
     # ``namespace/name`` of the pools of other namespaces that claim the same served name.
     served_name_rivals: Sequence[str] = ()
+    # status.adapters from this pass's fingerprint check (adapters.adapter_status); None: not
+    # checked (or LoRA off), keep the previous list.
+    adapters: Sequence[Mapping[str, Any]] | None = None
 
 
 def compute_status(
@@ -232,6 +235,8 @@ def compute_status(
     status["outgoing"] = outgoing_replicas(pods, observation.digest)
     if observation.drift is not None:
         status["drift"] = [entry.as_status() for entry in observation.drift]
+    if observation.adapters is not None and (observation.adapters or previous.get("adapters")):
+        status["adapters"] = [dict(adapter) for adapter in observation.adapters]
     return status
 
 

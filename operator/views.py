@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ class PodView:
     replica_set: str | None = None
     template_hash: str | None = None
     deletion_cost: str | None = None  # the pod-deletion-cost annotation as the operator last set it
+    adapter_roots: tuple[str, ...] = ()  # the template's llmpool.dev/adapter-roots
 
     def belongs_to(self, deployment: str) -> bool:
         """Whether a ReplicaSet of Deployment ``deployment`` controls this pod."""
@@ -67,6 +69,14 @@ def _termination(state: Mapping[str, Any] | None) -> Termination | None:
         reason=terminated.get("reason"),
         message=terminated.get("message"),
     )
+
+
+def _adapter_roots(annotation: str | None) -> tuple[str, ...]:
+    try:
+        roots = json.loads(annotation or "[]")
+    except ValueError:
+        return ()
+    return tuple(r for r in roots if isinstance(r, str)) if isinstance(roots, list) else ()
 
 
 def pod_view(pod: Mapping[str, Any]) -> PodView:
@@ -101,6 +111,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         ),
         template_hash=(metadata.get("labels") or {}).get(POD_TEMPLATE_HASH_LABEL),
         deletion_cost=annotations.get(DELETION_COST_ANNOTATION),
+        adapter_roots=_adapter_roots(annotations.get(naming.ADAPTER_ROOTS_ANNOTATION)),
     )
 
 

@@ -18,14 +18,20 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import ClusterHandle, GatewayProcess, OperatorProcess, pod_ready, wait_for
+from harness import (
+    ENGINE_START_SECONDS,
+    ClusterHandle,
+    GatewayProcess,
+    OperatorProcess,
+    pod_ready,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = "smollm2-chat"
 MODEL = "smollm2"
-ENGINE_START_SECONDS = 600  # first start converts the built-in GGUF model
 AUTOSCALING = {
     "minReplicas": 0,
     "maxReplicas": 2,

@@ -22,13 +22,20 @@ import httpx
 import pytest
 import yaml
 from harness import (
+    ENGINE_START_SECONDS,
     IMAGE,
     ClusterHandle,
     GatewayProcess,
     OperatorProcess,
+    condition,
+    example,
+    grew,
+    live_pods,
     namespace_operator,
     pod_ready,
+    pool_status,
     wait_for,
+    wait_pool_ready,
 )
 
 from llmpool import pinning
@@ -45,7 +52,6 @@ MODEL = "smollm2"
 # IMAGE, the engine image every operator of the suite gives pools (LLMPOOL_ENGINE_IMAGE): an
 # `llmpool operator -A` that another test runs on the shared cluster renders the same
 # Deployment and rolls no pod.
-ENGINE_START_SECONDS = 600  # first start converts the built-in GGUF model
 
 
 def pool_object() -> dict[str, Any]:
@@ -172,40 +178,6 @@ BATCH_POOL = "smollm2-batch"
 DRIFT_INTERVAL_SECONDS = 3
 
 
-def example(file: str, replicas: int) -> list[dict[str, Any]]:
-    """An example's documents, its pool made small as ``pool_object`` does."""
-    documents = [d for d in yaml.safe_load_all((ROOT / "examples" / file).read_text()) if d]
-    spec = next(d for d in documents if d["kind"] == naming.KIND)["spec"]
-    spec["replicas"] = replicas
-    spec["maxModelLen"] = 512
-    spec["engine"] = {
-        **spec["engine"], "maxNumSeqs": 8, "maxNumBatchedTokens": 512, "kvCacheMemory": "32Mi",
-    }  # fmt: skip
-    spec.pop("resources", None)
-    return documents
-
-
-def pool_status(cluster: ClusterHandle, namespace: str, name: str) -> dict[str, Any]:
-    return cluster.get("llmpool", name, "-n", namespace).get("status") or {}
-
-
-def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
-
-
-def wait_pool_ready(cluster: ClusterHandle, namespace: str, name: str) -> dict[str, Any]:
-    def ready() -> dict[str, Any] | None:
-        status = pool_status(cluster, namespace, name)
-        return status if condition(status, "Ready").get("status") == "True" else None
-
-    return wait_for(f"LLMPool {name} Ready", ready, ENGINE_START_SECONDS, 1)
-
-
-def live_pods(cluster: ClusterHandle, namespace: str, pool: str) -> list[dict[str, Any]]:
-    pods = cluster.get("pods", "-n", namespace, "-l", naming.selector_string(pool))["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-
 def samples(gateway: GatewayProcess, metric: str) -> list[tuple[dict[str, str], float]]:
     """The samples of one gateway metric: (labels, value) each."""
     found = []
@@ -222,12 +194,6 @@ def sent_by(gateway: GatewayProcess, label: str) -> dict[str, float]:
     for labels, value in samples(gateway, "llmpool_gateway:requests_total"):
         totals[labels[label]] = totals.get(labels[label], 0.0) + value
     return totals
-
-
-def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {
-        key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key)
-    }
 
 
 def post(

@@ -9,7 +9,6 @@ other tests (or of another operator running on the same cluster).
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 import sys
@@ -21,10 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import IMAGE, ClusterHandle, pod_ready, run_client_job, wait_for
-
-from llmpool.fleet_key import ENGINE_KEY_FIELD
-from llmpool.operator import naming
+from harness import IMAGE, ClusterHandle, engine_key, pod_ready, run_client_job, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -128,13 +124,6 @@ def release_pods(cluster: ClusterHandle, namespace: str, component: str) -> list
 
 def operator_pods(cluster: ClusterHandle, namespace: str) -> list[dict[str, Any]]:
     return release_pods(cluster, namespace, "operator")
-
-
-def engine_key(cluster: ClusterHandle, namespace: str, pool: str) -> str:
-    """The key a pool's engines require (the chart's fleet key is on by default): what a
-    caller of the pool's ``status.endpoint`` reads from the pool's Secret."""
-    secret = cluster.get("secret", naming.engine_key_secret_name(pool), "-n", namespace)
-    return base64.b64decode(secret["data"][ENGINE_KEY_FIELD]).decode()
 
 
 def chat_on_pod_ip(ip: str, model: str, key: str) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import ClusterHandle, OperatorProcess, pod_ready, wait_for
+from harness import ENGINE_START_SECONDS, ClusterHandle, OperatorProcess, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 INTERACTIVE = ROOT / "examples" / "smollm2-interactive.yaml"
 DIGEST_ANNOTATION = "llmpool.dev/pinned-digest"
 POOL_LABEL = "llmpool.dev/pool"
-ENGINE_START_SECONDS = 600  # first start converts the built-in GGUF model
 DRIFT_INTERVAL_SECONDS = 5
 # The operator's timer runs every 2 s and waits 5 s after its own last apply before it trusts
 # its watch caches to show a child missing or different; restoring takes at most that, plus

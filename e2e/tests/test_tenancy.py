@@ -22,7 +22,14 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from harness import ClusterHandle, OperatorProcess, free_port, pod_ready, wait_for
+from harness import (
+    ENGINE_START_SECONDS,
+    ClusterHandle,
+    OperatorProcess,
+    free_port,
+    pod_ready,
+    wait_for,
+)
 
 from llmpool.fleet_key import FLEET_KEY_FILE_ENV, FleetKey
 from llmpool.gateway.tenants import API_KEY_LABEL
@@ -32,7 +39,6 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = "smollm2-chat"
-ENGINE_START_SECONDS = 600  # first start converts the built-in GGUF model
 REQUESTS_PER_MINUTE = 3  # team b's limit
 
 

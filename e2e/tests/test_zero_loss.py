@@ -34,6 +34,7 @@ from harness import (
     ClusterHandle,
     GatewayProcess,
     OperatorProcess,
+    grew,
     namespace_operator,
     pod_ready,
     wait_for,
@@ -165,12 +166,6 @@ def gateway_counts(gateway: GatewayProcess) -> dict[str, float]:
         for key in keys:
             counts[key] = counts.get(key, 0.0) + float(value)
     return counts
-
-
-def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {
-        key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key)
-    }
 
 
 def table(load: Load, rows: list[tuple[str, float, dict[str, float]]]) -> str:

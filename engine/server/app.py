@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from llmpool.engine.admission import InvalidRequestError, PromptTooLongError
 from llmpool.engine.engine_core import EngineCore
+from llmpool.engine.lora.manager import UnknownAdapterError
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.server.async_engine import (
     AsyncEngine,
@@ -30,9 +31,10 @@ from llmpool.engine.server.async_engine import (
     RequestStream,
 )
 from llmpool.engine.server.constraints import Constraint, OutputSpec, parse_output_spec
-from llmpool.engine.server.fingerprint import build_fingerprint
+from llmpool.engine.server.fingerprint import build_fingerprint, lora_fields
 from llmpool.engine.server.http import openai_endpoint, read_body
 from llmpool.engine.server.limits import DEFAULT_MAX_RESPONSE_TOKENS
+from llmpool.engine.server.lora_routes import LoraRoutes, model_not_found
 from llmpool.engine.server.metrics import EngineMetrics
 from llmpool.engine.server.prompts import PromptBuilder
 from llmpool.engine.server.protocol import (
@@ -85,6 +87,8 @@ class _SSEResponse(StreamingResponse):
 
 def _engine_error(error: Exception) -> APIError:
     """Map what the engine raised on submit to the status a client should see."""
+    if isinstance(error, UnknownAdapterError):  # unloaded since the request's model was checked
+        return model_not_found(error)
     if isinstance(error, PromptTooLongError):
         return bad_request(str(error), param="prompt", code="context_length_exceeded")
     if isinstance(error, InvalidRequestError):
@@ -119,9 +123,12 @@ class OpenAIServer:
         self.core = core
         self.settings = settings
         self.model_name = settings.served_model_name
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(
+            self.model_name, None if core.lora is None else core.lora.max_loras
+        )
         core.structured_outputs.on_compile = self.metrics.on_grammar_compiled
         self.engine = AsyncEngine(core, settings.max_queue, self.metrics)
+        self.lora = LoraRoutes(core, self.engine, self.model_name)
         chat_template = settings.chat_template.decode("utf-8") if settings.chat_template else None
         self.prompts = PromptBuilder(core.tokenizer, chat_template, core.max_model_len)
         # Parsing, checking and tokenizing a body grow with its size (seconds for 16 MiB of
@@ -187,6 +194,16 @@ class OpenAIServer:
             Route("/v1/completions", self._openai(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._openai(self.chat_completions), methods=["POST"]),
             Route("/v1/models", self._openai(self.models), methods=["GET"]),
+            Route(
+                "/v1/load_lora_adapter",
+                self._openai(self._stopped(self.lora.load)),
+                methods=["POST"],
+            ),
+            Route(
+                "/v1/unload_lora_adapter",
+                self._openai(self._stopped(self.lora.unload)),
+                methods=["POST"],
+            ),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -198,32 +215,53 @@ class OpenAIServer:
     ) -> Callable[[Request], Awaitable[Response]]:
         return openai_endpoint(handler, self.settings.api_key)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    @staticmethod
+    def _stopped(
+        handler: Callable[[Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """``handler`` with an engine that stops under it answered 503 with Retry-After."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except EngineStoppedError as error:
+                raise _engine_error(error) from None
+
+        return endpoint
+
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter the request's ``model`` names, None for the served model itself;
+        any other name is a 404."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.lora.adapter_for(model)
+        if adapter is None:
             raise APIError(
                 404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                 param="model", code="model_not_found",
             )  # fmt: skip
+        return adapter
 
     # --- generation ---------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         raw = await read_body(request)
-        parsed, output, prompts = await self._off_loop(self._prepare_completion, raw)
+        parsed, output, prompts, adapter = await self._off_loop(self._prepare_completion, raw)
         structured_outputs = await self._compile(output.constraint)
         return await self._generate(
-            request, "completion", "cmpl", parsed, prompts, arrival, structured_outputs
-        )
+            request, "completion", "cmpl", parsed, prompts, arrival, structured_outputs,
+            adapter=adapter,
+        )  # fmt: skip
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         raw = await read_body(request)
-        parsed, output, prompt = await self._off_loop(self._prepare_chat, raw)
+        parsed, output, prompt, adapter = await self._off_loop(self._prepare_chat, raw)
         structured_outputs = await self._compile(output.constraint)
         return await self._generate(
             request, "chat", "chatcmpl", parsed, [prompt], arrival, structured_outputs,
-            self._tool_call_shaper(output),
+            self._tool_call_shaper(output), adapter,
         )  # fmt: skip
 
     async def _off_loop(self, prepare: Callable[[bytes], T], raw: bytes) -> T:
@@ -231,25 +269,25 @@ class OpenAIServer:
 
     def _prepare_completion(
         self, raw: bytes
-    ) -> tuple[CompletionRequest, OutputSpec, list[list[int]]]:
+    ) -> tuple[CompletionRequest, OutputSpec, list[list[int]], str | None]:
         body = parse_json_body(raw)
         parsed = parse_completion_request(body)
         output = parse_output_spec(body, chat=False)
-        self._check_model(parsed.model)
-        return parsed, output, [self.prompts.completion_ids(p) for p in parsed.prompts]
+        adapter = self._check_model(parsed.model)
+        return parsed, output, [self.prompts.completion_ids(p) for p in parsed.prompts], adapter
 
-    def _prepare_chat(self, raw: bytes) -> tuple[ChatRequest, OutputSpec, list[int]]:
+    def _prepare_chat(self, raw: bytes) -> tuple[ChatRequest, OutputSpec, list[int], str | None]:
         body = parse_json_body(raw)
         parsed = parse_chat_request(body)
         output = parse_output_spec(body, chat=True)
-        self._check_model(parsed.model)
+        adapter = self._check_model(parsed.model)
         offers_tools = output.tool_choice.mode != "none"
         prompt = self.prompts.chat_ids(
             parsed.messages,
             parsed.add_generation_prompt,
             output.functions if offers_tools else None,
         )
-        return parsed, output, prompt
+        return parsed, output, prompt, adapter
 
     async def _compile(self, constraint: Constraint | None) -> StructuredOutputsParams | None:
         """Compile the request's grammar off the event loop (it may take milliseconds), so that
@@ -277,6 +315,7 @@ class OpenAIServer:
         parsed: GenerationRequest,
         prompts: list[list[int]],
         structured_outputs: StructuredOutputsParams | None,
+        adapter: str | None,
     ) -> list[ChildRequest]:
         """``n`` children per prompt; with a seed, choice ``i`` uses ``seed + i`` as LLM does.
 
@@ -294,7 +333,9 @@ class OpenAIServer:
         for prompt, tokens in zip(prompts, max_tokens, strict=True):
             params = parsed.sampling_params(tokens, structured_outputs)
             children += [
-                ChildRequest(prompt, params.for_choice(index), parsed.priority, parsed.cache_salt)
+                ChildRequest(
+                    prompt, params.for_choice(index), parsed.priority, parsed.cache_salt, adapter
+                )
                 for index in range(parsed.n)
             ]
         return children
@@ -333,7 +374,9 @@ class OpenAIServer:
         arrival: float,
         structured_outputs: StructuredOutputsParams | None,
         tool_calls: ToolCallShaper | None = None,
+        adapter: str | None = None,
     ) -> Response:
+        """Run the request; ``adapter`` is the LoRA adapter its ``model`` named (None: base)."""
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         sequences = parsed.n * len(prompts)
         if sequences > self.engine.max_queue:  # a 429 would have it retried forever
@@ -342,14 +385,15 @@ class OpenAIServer:
                 f" at most {self.engine.max_queue:,}",
                 param="n",
             )
-        children = self._children(parsed, prompts, structured_outputs)
+        children = self._children(parsed, prompts, structured_outputs, adapter)
         try:
             stream = await self.engine.submit(request_id, children, arrival)
         except (PromptTooLongError, QueueFullError, EngineStoppedError, ValueError) as error:
             raise _engine_error(error) from None
         builder = ResponseBuilder(
-            kind, request_id, self.model_name, self.core.tokenizer, parsed.logprobs, tool_calls
-        )
+            kind, request_id, adapter or self.model_name, self.core.tokenizer, parsed.logprobs,
+            tool_calls,
+        )  # fmt: skip
         prompt_tokens = sum(len(p) for p in prompts)
         if parsed.stream:
             return _SSEResponse(self._stream_events(stream, builder, parsed, prompt_tokens))
@@ -421,9 +465,11 @@ class OpenAIServer:
             "created": self._created,
             "owned_by": "llmpool",
             "root": self.core.resolved.source,
+            "parent": None,
             "max_model_len": self.core.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [model]})
+        adapters = self.lora.model_cards(self._created)
+        return JSONResponse({"object": "list", "data": [model, *adapters]})
 
     async def health(self, request: Request) -> Response:
         """Alive unless the engine loop died, which only a restart cures."""
@@ -445,7 +491,8 @@ class OpenAIServer:
 
     async def fingerprint(self, request: Request) -> Response:
         assert self._fingerprint is not None, "the lifespan starts the fingerprint task"
-        return JSONResponse(await asyncio.shield(self._fingerprint))
+        cached = await asyncio.shield(self._fingerprint)
+        return JSONResponse({**cached, **lora_fields(self.core)})
 
 
 def warm_up(core: EngineCore) -> None:

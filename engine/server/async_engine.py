@@ -1,8 +1,8 @@
 """AsyncEngine: runs EngineCore.step() in its own thread and streams each request's deltas to asyncio.
 
 The engine core is synchronous and not thread-safe, so only the engine thread touches it. The
-event loop talks to that thread through one command queue (add, abort) and hears back through
-an outbox: each step appends its deltas, and only a step that finds the outbox empty wakes the
+event loop talks to that thread through one command queue (add, abort, call: a function run
+between steps) and hears back through an outbox: each step appends its deltas, and only a step that finds the outbox empty wakes the
 loop (``loop.call_soon_threadsafe``), so the loop is woken at most once per step however many
 requests a step serves, and a loop that falls behind takes several steps' deltas in one turn. A
 request with ``n`` choices (or several prompts) is a group of child requests in the engine,
@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from llmpool.engine.engine_core import EngineCore, EngineStats
 from llmpool.engine.outputs import RequestDelta
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_SECONDS = 0.5
 # How often a drain looks whether the requests in flight have finished.
 _DRAIN_POLL_SECONDS = 0.1
+
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -67,11 +70,13 @@ class ChildRequest:
     sampling_params: SamplingParams
     priority: int | None = None  # None: the engine's priority class
     cache_salt: str | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter; None: the base model
 
 
 @dataclass
 class _RequestTiming:
     arrival_time: float
+    lora_name: str | None = None
     first_scheduled_time: float | None = None
     last_token_time: float | None = None
 
@@ -80,8 +85,12 @@ class StepObserver:
     """What the engine thread reports per request and per step (the metrics implement it)."""
 
     def on_scheduled(self, queue_time: float) -> None: ...
-    def on_tokens(self, delta: RequestDelta, first: bool, latency: float) -> None: ...
-    def on_finished(self, finish_reason: str, e2e_latency: float) -> None: ...
+    def on_tokens(
+        self, delta: RequestDelta, first: bool, latency: float, lora_name: str | None = None
+    ) -> None: ...
+    def on_finished(
+        self, finish_reason: str, e2e_latency: float, lora_name: str | None = None
+    ) -> None: ...
     def on_stats(self, stats: EngineStats) -> None: ...
 
 
@@ -96,6 +105,14 @@ class _AddGroup:
 @dataclass
 class _Abort:
     child_ids: list[str]
+
+
+@dataclass
+class _Call:
+    """A function the engine thread runs between steps (e.g. installing a LoRA adapter)."""
+
+    fn: Callable[[], Any]
+    done: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
 _StreamItem = tuple[int, RequestDelta] | BaseException
@@ -154,7 +171,7 @@ class AsyncEngine:
         self.core = core
         self.max_queue = max_queue
         self.observer = observer or StepObserver()
-        self._commands: queue.SimpleQueue[_AddGroup | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_AddGroup | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[RequestStream, int]] = {}
         # Deltas the engine thread handed over and the loop has not dispatched yet.
         self._outbox: list[RequestDelta] = []
@@ -259,6 +276,18 @@ class AsyncEngine:
             raise
         return stream
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between two steps and return what it returned (or
+        raise what it raised): the way to change engine state that a step reads."""
+        if not self.running:
+            raise EngineStoppedError(
+                "the engine is not running" + (f": {self.error}" if self.error else "")
+            )
+        command = _Call(fn)
+        self._commands.put(command)
+        result: T = await asyncio.wrap_future(command.done)
+        return result
+
     def _abort(self, child_ids: list[str]) -> None:
         self._forget(child_ids)
         self._commands.put(_Abort(child_ids))
@@ -334,6 +363,8 @@ class AsyncEngine:
                 self._add_group(command)
             elif isinstance(command, _Abort):
                 self._abort_in_engine(command.child_ids)
+            elif isinstance(command, _Call):
+                self._run_call(command)
         if commands:
             self.observer.on_stats(self.core.stats())
 
@@ -350,14 +381,24 @@ class AsyncEngine:
                     command.arrival_time,
                     priority=child.priority,
                     cache_salt=child.cache_salt,
+                    lora_name=child.lora_name,
                 )
-                self._timings[child_id] = _RequestTiming(command.arrival_time)
+                self._timings[child_id] = _RequestTiming(command.arrival_time, child.lora_name)
                 added.append(child_id)
         except Exception as error:
             self._abort_in_engine(added, record=False)
             command.accepted.set_exception(error)
             return
         command.accepted.set_result(None)
+
+    @staticmethod
+    def _run_call(command: _Call) -> None:
+        if not command.done.set_running_or_notify_cancel():
+            return  # the caller went away first
+        try:
+            command.done.set_result(command.fn())
+        except Exception as error:
+            command.done.set_exception(error)
 
     def _abort_in_engine(self, child_ids: list[str], record: bool = True) -> None:
         now = time.monotonic()
@@ -366,7 +407,9 @@ class AsyncEngine:
             timing = self._timings.pop(child_id, None)
             if timing is not None and record:
                 self.observer.on_finished(
-                    RequestStatus.FINISHED_ABORTED.value, now - timing.arrival_time
+                    RequestStatus.FINISHED_ABORTED.value,
+                    now - timing.arrival_time,
+                    timing.lora_name,
                 )
 
     def _step(self) -> None:
@@ -380,11 +423,13 @@ class AsyncEngine:
                 continue
             first = timing.last_token_time is None
             since = timing.arrival_time if first else timing.last_token_time
-            self.observer.on_tokens(delta, first, now - since)
+            self.observer.on_tokens(delta, first, now - since, timing.lora_name)
             timing.last_token_time = now
             if delta.finished:
                 del self._timings[delta.request_id]
-                self.observer.on_finished(delta.finish_reason or "", now - timing.arrival_time)
+                self.observer.on_finished(
+                    delta.finish_reason or "", now - timing.arrival_time, timing.lora_name
+                )
         self.observer.on_stats(self.core.stats())
         if deltas:
             self._hand_off(deltas)
@@ -429,8 +474,11 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            stopped = EngineStoppedError("the server is shutting down")
             if isinstance(command, _AddGroup) and command.accepted.set_running_or_notify_cancel():
-                command.accepted.set_exception(EngineStoppedError("the server is shutting down"))
+                command.accepted.set_exception(stopped)
+            elif isinstance(command, _Call) and command.done.set_running_or_notify_cancel():
+                command.done.set_exception(stopped)
 
     def _call_soon(self, callback: Callable[..., None], *args: object) -> None:
         assert self._loop is not None

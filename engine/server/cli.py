@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -20,9 +22,11 @@ import uvicorn
 from llmpool import pinning
 from llmpool.engine.config import QUANTIZATIONS, EngineConfig
 from llmpool.engine.engine_core import EngineCore
+from llmpool.engine.lora.adapter import ADAPTER_FILES, AdapterError, adapter_digest
 from llmpool.engine.model_source import RevisionMismatchError
 from llmpool.engine.server.app import ServerSettings, build_app
 from llmpool.engine.server.limits import DEFAULT_MAX_RESPONSE_TOKENS, STREAMED_RESPONSE_FACTOR
+from llmpool.engine.server.lora_routes import ADAPTER_NAME
 from llmpool.engine.server.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("llmpool.serve")
@@ -179,6 +183,19 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction, default=True,
     )  # fmt: skip
     flags.add("--log-level", "debug, info, warning or error", default="info")
+    flags.add(
+        "--enable-lora", "serve LoRA adapters beside the base model (`model` names one)",
+        action=argparse.BooleanOptionalAction, default=False,
+    )  # fmt: skip
+    flags.add("--max-loras", "adapters resident at once (LoRA slots)", type=int, default=1)
+    flags.add("--max-lora-rank", "the largest adapter rank a slot holds", type=int, default=16)
+    flags.add(
+        "--lora-modules",
+        "adapters loaded at start: name=path, or JSON {\"name\", \"path\", \"revision\"}"
+        " (revision: sha256:... of the adapter's files, refused if they differ); needs"
+        " --enable-lora; the variable holds them separated by spaces",
+        nargs="+", default=None,
+    )  # fmt: skip
     return parser
 
 
@@ -207,8 +224,59 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         **optional,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraModule:
+    name: str
+    path: str
+    revision: str | None = None
+
+
+def lora_modules(args: argparse.Namespace) -> list[LoraModule]:
+    """``--lora-modules`` as vLLM takes them: ``name=path`` or a JSON object per entry (vLLM's
+    ``base_model_name`` key is accepted and ignored: the served model is the base)."""
+    entries = args.lora_modules or []
+    if isinstance(entries, str):  # from LLMPOOL_LORA_MODULES
+        entries = shlex.split(entries)
+    if entries and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    modules = [_lora_module(entry) for entry in entries]
+    for module in modules:
+        if not ADAPTER_NAME.match(module.name):
+            raise ValueError(
+                f"--lora-modules: name {module.name!r} must match {ADAPTER_NAME.pattern}"
+            )
+    names = [module.name for module in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names an adapter twice: {names}")
+    return modules
+
+
+def _lora_module(entry: str) -> LoraModule:
+    if not entry.lstrip().startswith("{"):
+        named, equals, folder = entry.partition("=")
+        if not equals or not named or not folder:
+            raise ValueError(f"--lora-modules: expected name=path or JSON, got {entry!r}")
+        return LoraModule(named, folder)
+    try:
+        document = json.loads(entry)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--lora-modules: {entry!r} is not JSON ({error})") from None
+    known = {"name", "path", "revision", "base_model_name"}
+    if not isinstance(document, dict) or not known >= set(document):
+        raise ValueError(f"--lora-modules: {entry!r} may only have the keys {sorted(known)}")
+    name, path, revision = document.get("name"), document.get("path"), document.get("revision")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise ValueError(f"--lora-modules: {entry!r} needs a name and a path")
+    if revision is not None and not isinstance(revision, str):
+        raise ValueError(f"--lora-modules: {entry!r} has a revision that is not a string")
+    return LoraModule(name, path, revision)
 
 
 def _write_termination_log(message: str) -> None:
@@ -253,12 +321,47 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def _build_core(config: EngineConfig) -> EngineCore:
-    """Load in a thread that ends before the engine thread starts, so that the OpenMP worker
+def check_pinned_adapters(modules: list[LoraModule]) -> None:
+    """Refuse pinned adapters whose files differ before the model loads, so that a wrong pin
+    stops the start in a second rather than after the load (the load checks again; missing
+    files are left to it, which names them)."""
+    for module in modules:
+        folder = Path(module.path)
+        if module.revision is None or not all((folder / f).is_file() for f in ADAPTER_FILES):
+            continue
+        digest = adapter_digest(folder)
+        if digest != module.revision:
+            raise AdapterError(
+                "revision_mismatch",
+                f"adapter {module.name!r}: the files at {module.path} are {digest}, not the"
+                f" pinned {module.revision}",
+                digest,
+            )
+
+
+def _load_engine(
+    config: EngineConfig, modules: list[LoraModule], served_name: str | None
+) -> tuple[EngineCore, str]:
+    """The core with its ``--lora-modules`` loaded, and the served model name.
+
+    Loads in a thread that ends before the engine thread starts, so that the OpenMP worker
     threads the load spawned end with it and the engine thread's team is the process's only one
     (see ``async_engine``)."""
+
+    def load() -> tuple[EngineCore, str]:
+        core = EngineCore(config)
+        name = served_name or pinning.default_served_name(core.resolved.source)
+        for module in modules:
+            if module.name == name:
+                raise AdapterError(
+                    "invalid_adapter", f"--lora-modules: {module.name!r} is the served model's name"
+                )
+            core.load_adapter(module.name, module.path, module.revision)
+            logger.info("LoRA adapter %s loaded from %s", module.name, module.path)
+        return core, name
+
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-load") as loader:
-        return loader.submit(EngineCore, config).result()
+        return loader.submit(load).result()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         config = engine_config(args)
+        modules = lora_modules(args)
         chat_template = Path(args.chat_template).read_bytes() if args.chat_template else None
     except (ValueError, OSError) as error:
         logger.error("cannot start: %s", error)
@@ -283,15 +387,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_ARGUMENTS
 
     try:
-        core = _build_core(config)
+        check_pinned_adapters(modules)
+        core, served_model_name = _load_engine(config, modules, args.served_model_name)
     except RevisionMismatchError as error:
         logger.error("%s", error)
         _write_termination_log(str(error))
         return EXIT_REVISION_MISMATCH
+    except AdapterError as error:
+        if error.code == "revision_mismatch":
+            logger.error("RevisionMismatch: %s", error)
+            _write_termination_log(f"RevisionMismatch: {error}")
+            return EXIT_REVISION_MISMATCH
+        logger.error("cannot start: %s", error)
+        _write_termination_log(str(error))
+        return EXIT_BAD_ARGUMENTS
 
     settings = ServerSettings(
-        served_model_name=args.served_model_name
-        or pinning.default_served_name(core.resolved.source),
+        served_model_name=served_model_name,
         api_key=args.api_key,
         chat_template=chat_template,
         max_queue=args.max_queue,

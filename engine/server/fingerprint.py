@@ -46,3 +46,18 @@ def build_fingerprint(
         "engineVersion": __version__,
     }
     return {"pinned": pinned, "observed": observed, "digest": pinning.pinned_digest(pinned)}
+
+
+def lora_fields(core: EngineCore) -> dict[str, Any]:
+    """The LoRA part of ``/fingerprint``, read live on every call: adapters are loaded and
+    unloaded while the replica runs, so they stay outside ``pinned`` and its digest, and the
+    operator judges their drift from these fields alone."""
+    lora = core.lora
+    if lora is None:
+        return {"lora": None, "adapters": [], "adapterFailures": []}
+    failures = lora.failures  # replaced whole by the thread that loads: read it once
+    return {
+        "lora": {"maxLoras": lora.max_loras, "maxLoraRank": lora.max_rank},
+        "adapters": lora.describe(),
+        "adapterFailures": [failures[name] for name in sorted(failures)],
+    }

@@ -2,12 +2,15 @@
 
 Three load gauges are also exported under vLLM's own names (``vllm:``), with the same values: the
 model-server protocol of the Gateway API Inference Extension reads them, so llm-d's router or any
-InferencePool implementation can front a pool as well as our gateway does.
+InferencePool implementation can front a pool as well as our gateway does. With LoRA on,
+``vllm:lora_requests_info`` joins them: those routers read it to send a request for an adapter to
+a replica that has it running (see :class:`LoraMetrics`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -124,7 +127,8 @@ class Totals:
 class EngineMetrics(StepObserver):
     """Updated from the engine thread as steps complete; ``render()`` serves ``GET /metrics``."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_loras: int | None = None) -> None:
+        """``max_loras``: the engine's LoRA slots; None when LoRA is off (no LoRA metrics)."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         registry = self.registry
@@ -216,6 +220,7 @@ class EngineMetrics(StepObserver):
         self.totals = Totals()
         self._totals_lock = threading.Lock()
         self._last_preemptions = 0
+        self.lora = None if max_loras is None else LoraMetrics(registry, model_name, max_loras)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -225,8 +230,12 @@ class EngineMetrics(StepObserver):
     def on_scheduled(self, queue_time: float) -> None:
         self.request_queue_time.labels(**self._model).observe(queue_time)
 
-    def on_tokens(self, delta: RequestDelta, first: bool, latency: float) -> None:
+    def on_tokens(
+        self, delta: RequestDelta, first: bool, latency: float, lora_name: str | None = None
+    ) -> None:
         num_tokens = len(delta.new_token_ids)
+        if lora_name is not None and self.lora is not None:
+            self.lora.on_tokens(lora_name, delta.num_prompt_tokens if first else 0, num_tokens)
         if first:
             self.time_to_first_token.labels(**self._model).observe(latency)
             self.prompt_tokens.labels(**self._model).inc(delta.num_prompt_tokens)
@@ -238,7 +247,11 @@ class EngineMetrics(StepObserver):
             if first:
                 self.totals.prompt_tokens += delta.num_prompt_tokens
 
-    def on_finished(self, finish_reason: str, e2e_latency: float) -> None:
+    def on_finished(
+        self, finish_reason: str, e2e_latency: float, lora_name: str | None = None
+    ) -> None:
+        if lora_name is not None and self.lora is not None:
+            self.lora.requests.labels(lora_name=lora_name, **self._model).inc()
         self.e2e_request_latency.labels(**self._model).observe(e2e_latency)
         self.request_success.labels(finished_reason=finish_reason, **self._model).inc()
 
@@ -255,6 +268,8 @@ class EngineMetrics(StepObserver):
                 stats.num_preemptions - self._last_preemptions
             )
             self._last_preemptions = stats.num_preemptions
+        if self.lora is not None:
+            self.lora.on_adapters(stats.running_adapters, stats.waiting_adapters)
         with self._totals_lock:
             totals = self.totals
             totals.num_running, totals.num_waiting = stats.num_running, stats.num_waiting
@@ -283,3 +298,60 @@ class EngineMetrics(StepObserver):
     def snapshot(self) -> Totals:
         with self._totals_lock:
             return Totals(**vars(self.totals))
+
+
+class LoraMetrics:
+    """The LoRA series, present only when LoRA is on.
+
+    ``lora_requests_info`` is vLLM's: one series whose labels name the adapters of the running
+    and of the waiting requests (sorted, comma-joined) beside ``max_lora``, and whose value is
+    the time they last changed; it is exported under both prefixes, like the load gauges. The
+    per-adapter counters are ours.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_loras: int) -> None:
+        labels = ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+        doc = "Adapters of the running and waiting requests; the value is when they last changed."
+        self.info = [
+            Gauge(f"{prefix}:lora_requests_info", doc, labels, registry=registry)
+            for prefix in ("vllm", "llmpool")
+        ]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"llmpool:{name}", doc, ["model_name", "lora_name"], registry=registry)
+
+        self.requests = counter("lora_requests", "Finished requests, per LoRA adapter.")
+        self.prompt_tokens = counter(
+            "lora_prompt_tokens", "Prompt tokens of the requests prefilled, per LoRA adapter."
+        )
+        self.generation_tokens = counter(
+            "lora_generation_tokens", "Output tokens generated, per LoRA adapter."
+        )
+        self._model_name = model_name
+        self._max_loras = str(max_loras)
+        self._info_labels: tuple[str, ...] | None = None
+        self.on_adapters((), ())
+
+    def on_tokens(self, lora_name: str, prompt_tokens: int, generation_tokens: int) -> None:
+        labels = {"model_name": self._model_name, "lora_name": lora_name}
+        if prompt_tokens:
+            self.prompt_tokens.labels(**labels).inc(prompt_tokens)
+        self.generation_tokens.labels(**labels).inc(generation_tokens)
+
+    def on_adapters(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        """Replace the one info series when the adapters change (the new one is set before the
+        old one goes, so that a scrape never finds none)."""
+        labels = (
+            self._model_name,
+            self._max_loras,
+            ",".join(sorted(running)),
+            ",".join(sorted(waiting)),
+        )
+        if labels == self._info_labels:
+            return
+        now = time.time()
+        for gauge in self.info:
+            gauge.labels(*labels).set(now)
+            if self._info_labels is not None:
+                gauge.remove(*self._info_labels)
+        self._info_labels = labels

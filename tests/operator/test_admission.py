@@ -102,3 +102,34 @@ def test_host_path_models_only_under_the_allowed_prefixes(chat_spec):
     found = refusal(spec_with(chat_spec, model=elsewhere), policy)
     assert found is not None and found.reason == HOST_PATH_NOT_ALLOWED
     assert "/models" in found.message
+
+
+def with_adapter(chat_spec, source: str) -> PoolSpec:
+    adapter = {"name": "sql", "source": source, "revision": "sha256:" + "2" * 64}
+    return spec_with(chat_spec, adapters=[adapter])
+
+
+def test_host_path_adapters_like_host_path_models(chat_spec):
+    closed = Policy.default(CHART_IMAGE)
+    found = refusal(with_adapter(chat_spec, "file:///models/adapters/sql"), closed)
+    assert found is not None and found.reason == HOST_PATH_NOT_ALLOWED
+    assert "spec.adapters[sql].source file:///models/adapters/sql" in found.message
+    # Paths in the image and volumes need no node path.
+    assert refusal(with_adapter(chat_spec, "/opt/adapters/sql"), closed) is None
+    assert refusal(with_adapter(chat_spec, "pvc://adapters/sql"), closed) is None
+
+    policy = Policy(
+        engine_image=CHART_IMAGE,
+        allowed_images=("ghcr.io/llmpool/llmpool",),
+        allow_host_path_models=True,
+        allowed_host_path_prefixes=("/models",),
+    )
+    assert refusal(with_adapter(chat_spec, "file:///models/adapters/sql"), policy) is None
+    found = refusal(with_adapter(chat_spec, "file:///srv/adapters/sql"), policy)
+    assert found is not None and found.reason == HOST_PATH_NOT_ALLOWED
+    assert "/models" in found.message
+    # The adapter's folder is under the prefix, but its parent, the folder mounted, is not.
+    found = refusal(with_adapter(chat_spec, "file:///models"), policy)
+    assert found is not None and "its folder / is mounted" in found.message
+    found = refusal(with_adapter(chat_spec, "file:///models/../etc/sql"), policy)
+    assert found is not None and found.reason == HOST_PATH_NOT_ALLOWED

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+import httpx
 import kopf
 import pytest
 from kopf._core.engines import posting
@@ -22,8 +23,10 @@ from kubernetes.client import ApiException
 
 from llmpool.fleet_key import FleetKey, pool_engine_key
 from llmpool.load import DEMAND_PRUNE_SECONDS, Demand
-from llmpool.operator import admission, handlers, kube
+from llmpool.operator import admission, fingerprints, handlers, kube
 from llmpool.operator.children import ChildView, child_view
+from llmpool.operator.drift import Fingerprint
+from llmpool.operator.fingerprints import FingerprintReport
 
 NAMESPACE = "team"
 UID = "uid-pool"
@@ -497,3 +500,196 @@ async def test_a_rotated_fleet_key_rolls_the_engines_with_one_normal_event(
     written = len(api.writes)
     await converge(api, memo)
     assert [kind for kind, _ in api.writes[written:] if kind != "status"] == []
+
+
+class FakeEngines:
+    """Engine pods as the operator reaches them: GET /fingerprint and the adapter endpoints.
+
+    ``files`` is what lies on the node at each adapter path (the digest of its files); a load
+    whose revision does not match is refused and remembered, as the engine does."""
+
+    def __init__(self, digest: str, files: dict[str, str]) -> None:
+        self.digest = digest
+        self.files = files
+        self.served: dict[str, dict[str, str]] = {}
+        self.failures: dict[str, dict[str, dict[str, Any]]] = {}
+        self.posts: list[tuple[str, str, dict[str, Any], str | None]] = []
+
+    def body(self, pod: str) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "observed": {},
+            "lora": {"maxLoras": 4, "maxLoraRank": 16},
+            "adapters": [
+                {"name": name, "digest": digest}
+                for name, digest in self.served.get(pod, {}).items()
+            ],
+            "adapterFailures": list(self.failures.get(pod, {}).values()),
+        }
+
+    async def fetch_fingerprints(self, pods: Any, **_: Any) -> Any:
+        found = [Fingerprint(p.name, p.digest, self.body(p.name)) for p in pods if p.ready]
+        return FingerprintReport(found)
+
+    async def post_to_pod(
+        self, pod: Any, path: str, body: dict[str, Any], engine_key: str | None, **_: Any
+    ) -> httpx.Response:
+        self.posts.append((pod.name, path, dict(body), engine_key))
+        served = self.served.setdefault(pod.name, {})
+        failures = self.failures.setdefault(pod.name, {})
+        name = body["lora_name"]
+        if path == "/v1/unload_lora_adapter":
+            served.pop(name)
+            return httpx.Response(200, text=f"Success: LoRA adapter '{name}' removed.")
+        digest = self.files[body["lora_path"]]
+        if digest != body["revision"]:
+            failures[name] = {
+                "name": name,
+                "source": body["lora_path"],
+                "revision": body["revision"],
+                "digest": digest,
+                "code": "revision_mismatch",
+                "error": f"the files are {digest}",
+            }
+            error = {"code": "revision_mismatch", "message": f"the files are {digest}"}
+            return httpx.Response(400, json={"error": error})
+        served[name] = digest
+        failures.pop(name, None)
+        return httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+REV = {name: "sha256:" + digit * 64 for name, digit in (("a", "a"), ("b", "b"), ("c", "c"))}
+TAMPERED = "sha256:" + "f" * 64
+
+
+def adapter_spec(name: str) -> dict[str, str]:
+    return {"name": name, "source": f"file:///var/lib/adapters/{name}", "revision": REV[name]}
+
+
+async def test_adapters_are_loaded_checked_and_unloaded_on_running_replicas(
+    api, tmp_path, monkeypatch, make_pod
+):
+    events = capture_events()
+    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    offset = [0.0]
+    real_monotonic = time.monotonic
+    monkeypatch.setattr(handlers.time, "monotonic", lambda: real_monotonic() + offset[0])
+
+    async def replica_loads(pods: Any) -> dict[str, float]:
+        return {}
+
+    monkeypatch.setattr(handlers, "replica_loads", replica_loads)
+    key_file = tmp_path / "fleet-key"
+    key_file.write_text("fleet")
+    policy = admission.Policy(
+        engine_image="llmpool:latest",
+        allowed_images=("llmpool",),
+        allow_host_path_models=True,
+        allowed_host_path_prefixes=("/var/lib/adapters",),
+    )
+    memo = kopf.Memo(fleet_key=FleetKey(key_file), policy=policy)
+    name = api.pool["metadata"]["name"]
+    api.pool["spec"]["adapters"] = [adapter_spec("a"), adapter_spec("b")]
+    api.pool["spec"]["drift"] = {"policy": "Report", "intervalSeconds": 30}
+    await converge(api, memo)
+    template = api.deployments()[-1]["spec"]["template"]
+    digest = api.pool["status"]["pinnedDigest"]
+    engines = FakeEngines(digest, {f"/var/lib/adapters/{n}": REV[n] for n in REV})
+    monkeypatch.setattr(fingerprints, "fetch_fingerprints", engines.fetch_fingerprints)
+    monkeypatch.setattr(fingerprints, "post_to_pod", engines.post_to_pod)
+    roots = template["metadata"]["annotations"]["llmpool.dev/adapter-roots"]
+    assert json.loads(roots) == ["/var/lib/adapters"]
+
+    def pods(restarts: int = 0) -> list[Any]:
+        bodies = [make_pod("p1", digest=digest, replica_set=f"{name}-5c8d9f")]
+        bodies.append(
+            make_pod("p2", digest=digest, replica_set=f"{name}-5c8d9f", restart_count=restarts)
+        )
+        for body in bodies:
+            body["metadata"]["annotations"]["llmpool.dev/adapter-roots"] = roots
+        return [handlers.pod_view(body) for body in bodies]
+
+    async def converge_with(restarts: int = 0) -> None:
+        observed = handlers.Observed(pods=pods(restarts), deployment=None, children=api.children())
+        await handlers.converge(
+            namespace=NAMESPACE, name=name, uid=UID, memo=memo, observed=observed
+        )
+
+    def condition(kind: str) -> tuple[str, str]:
+        found = next(c for c in api.pool["status"]["conditions"] if c["type"] == kind)
+        return found["status"], found["reason"]
+
+    def serving() -> dict[str, list[str]]:
+        return {a["name"]: a["replicas"] for a in api.pool["status"].get("adapters", [])}
+
+    drain(events)
+    # The first check loads both adapters on both replicas, with the pool's engine key.
+    await converge_with()
+    assert sorted((pod, body["lora_name"]) for pod, _, body, _ in engines.posts) == [
+        ("p1", "a"), ("p1", "b"), ("p2", "a"), ("p2", "b"),
+    ]  # fmt: skip
+    assert {key for *_, key in engines.posts} == {pool_engine_key(b"fleet", NAMESPACE, name)}
+    assert engines.posts[0][2]["lora_path"].startswith("/var/lib/adapters/")
+    assert serving() == {"a": ["p1", "p2"], "b": ["p1", "p2"]}
+    assert condition("Drifted") == ("False", "NoDrift")
+    assert [(e.reason, e.message) for e in drain(events) if "Adapter" in e.reason] == [
+        ("AdapterLoaded", f"adapter a loaded at {REV['a']} on p1, p2"),
+        ("AdapterLoaded", f"adapter b loaded at {REV['b']} on p1, p2"),
+    ]
+    # All went well: the next pass checks again at once, finds nothing to do.
+    posted = len(engines.posts)
+    await converge_with()
+    assert len(engines.posts) == posted
+
+    # A third adapter under the mounted folder: loaded on the running pods, template unchanged.
+    update_spec(api, adapters=[adapter_spec("a"), adapter_spec("b"), adapter_spec("c")])
+    await converge_with()
+    await converge_with()
+    assert api.deployments()[-1]["spec"]["template"] == template
+    assert sorted((pod, body["lora_name"]) for pod, _, body, _ in engines.posts[posted:]) == [
+        ("p1", "c"), ("p2", "c"),
+    ]  # fmt: skip
+    assert serving()["c"] == ["p1", "p2"]
+    drain(events)
+
+    # Tampered: the files of `a` change on p2's node and p2 restarts. Its load is refused.
+    engines.files["/var/lib/adapters/a"] = TAMPERED
+    engines.served["p2"] = {}
+    await converge_with(restarts=1)
+    assert api.pool["status"]["drift"] == [
+        {"pod": "p2", "field": "adapters.a", "expected": REV["a"], "actual": TAMPERED}
+    ]
+    assert condition("Drifted") == ("True", "ReplicasDrifted")
+    assert serving() == {"a": ["p1"], "b": ["p1", "p2"], "c": ["p1", "p2"]}
+    reported = {(e.type, e.reason): e.message for e in drain(events)}
+    assert reported[("Warning", "DriftDetected")] == (
+        f"pod p2: adapters.a is {TAMPERED}, expected {REV['a']}"
+    )
+    assert "revision_mismatch" in reported[("Warning", "AdapterLoadFailed")]
+    # Not retried on every pass ...
+    posted = len(engines.posts)
+    await converge_with(restarts=1)
+    assert len(engines.posts) == posted
+    # ... but once per drift interval: the files restored, the drift clears.
+    engines.files["/var/lib/adapters/a"] = REV["a"]
+    offset[0] += 31
+    await converge_with(restarts=1)
+    assert [(pod, body["lora_name"]) for pod, _, body, _ in engines.posts[posted:]] == [("p2", "a")]
+    assert api.pool["status"]["drift"] == []
+    assert condition("Drifted") == ("False", "NoDrift")
+    assert serving()["a"] == ["p1", "p2"]
+    drain(events)
+
+    # Removed from the spec: unloaded from every replica, gone from status.adapters.
+    update_spec(api, adapters=[adapter_spec("b"), adapter_spec("c")])
+    await converge_with(restarts=1)
+    await converge_with(restarts=1)
+    assert engines.served == {
+        "p1": {"b": REV["b"], "c": REV["c"]},
+        "p2": {"b": REV["b"], "c": REV["c"]},
+    }
+    assert serving() == {"b": ["p1", "p2"], "c": ["p1", "p2"]}
+    assert [(e.reason, e.message) for e in drain(events) if "Adapter" in e.reason] == [
+        ("AdapterUnloaded", "adapter a unloaded from p1, p2")
+    ]
+    assert api.deployments()[-1]["spec"]["template"] == template

@@ -11,7 +11,14 @@ import yaml
 
 from llmpool import capacity, pinning
 from llmpool.operator import conditions, naming
-from llmpool.operator.spec import PoolSpec
+from llmpool.operator.adapters import adapter_status
+from llmpool.operator.spec import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    AdapterSpec,
+    LoraSettings,
+    PoolSpec,
+)
 
 
 def walk(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -256,3 +263,82 @@ def test_peering_crds_ship_both_scopes(repo_root):
 
 def test_crd_file_has_one_document(repo_root):
     assert len(list(yaml.safe_load_all((repo_root / "crds" / "llmpool.yaml").read_text()))) == 1
+
+
+ADAPTER_REVISION = "sha256:" + "0123456789abcdef" * 4
+
+
+def test_lora_defaults_match_the_operator(schema):
+    minimal = {
+        "model": {"source": "builtin://smollm2-135m-instruct", "revision": "sha256:" + "a" * 64},
+        "adapters": [{"name": "sql", "source": "/adapters/sql", "revision": ADAPTER_REVISION}],
+    }
+    for spec in (minimal, {**minimal, "lora": {}}):
+        defaulted = schema.defaulted({"spec": spec})["spec"]
+        assert "lora" not in defaulted or defaulted["lora"] == {"maxLoras": 4, "maxLoraRank": 16}
+        assert PoolSpec.from_dict(defaulted).lora_settings == PoolSpec.from_dict(spec).lora_settings
+        assert PoolSpec.from_dict(spec).lora_settings == LoraSettings(
+            DEFAULT_MAX_LORAS, DEFAULT_MAX_LORA_RANK
+        )
+    # Adapters are not pinned: the pin of a pool with adapters is the pin without them.
+    assert pinning.pinned_from_spec(minimal, None) == pinning.pinned_from_spec(
+        {"model": minimal["model"]}, None
+    )
+    assert schema.errors(schema.defaulted({"spec": minimal})["spec"], schema.at("spec")) == []
+
+
+def test_the_adapter_count_rule_defaults_like_the_operator(schema):
+    lora = schema.at("spec", "lora")["properties"]
+    assert lora["maxLoras"]["default"] == DEFAULT_MAX_LORAS
+    assert (lora["maxLoras"]["minimum"], lora["maxLoras"]["maximum"]) == (1, 64)
+    assert lora["maxLoraRank"]["default"] == DEFAULT_MAX_LORA_RANK
+    assert (lora["maxLoraRank"]["minimum"], lora["maxLoraRank"]["maximum"]) == (1, 256)
+    rules = [v["rule"] for v in cel_rules(schema)[".spec"]]
+    [count] = [r for r in rules if "size(self.adapters) <=" in r]
+    assert count.endswith(f"self.lora.maxLoras : {DEFAULT_MAX_LORAS})")
+    [names] = [r for r in rules if "a.name" in r]
+    assert "self.model.servedName" in names and "self.model.source" in names
+    [compile_rule] = [r for r in rules if "self.engine.compile" in r]
+    assert "self.lora" in compile_rule and "self.adapters" in compile_rule
+
+
+def test_adapters_are_a_map_keyed_on_name(schema):
+    adapters = schema.at("spec", "adapters")
+    assert adapters["x-kubernetes-list-type"] == "map"
+    assert adapters["x-kubernetes-list-map-keys"] == ["name"]
+    assert adapters["maxItems"] == 64
+    assert set(adapters["items"]["required"]) == {"name", "source", "revision"}
+    for name in ("name", "source", "revision"):
+        assert "maxLength" in adapters["items"]["properties"][name]  # CEL cost bounds
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "valid"),
+    [
+        ("name", "sql-v2.1_a", True),
+        ("name", "A" * 63, True),
+        ("name", "A" * 64, False),
+        ("name", "-sql", False),
+        ("name", "team/sql", False),
+        ("revision", ADAPTER_REVISION, True),
+        ("revision", "0123456789abcdef0123456789abcdef01234567", False),  # no commit SHAs
+        ("revision", "sha256:" + "A" * 64, False),
+        ("source", "/adapters/sql", True),
+        ("source", "file:///var/lib/adapters/sql", True),
+        ("source", "pvc://adapters/sql/v2", True),
+        ("source", "file://relative", False),
+        ("source", "hf://org/adapter", False),
+        ("source", "builtin://sql", False),
+        ("source", "relative/path", False),
+    ],
+)
+def test_adapter_fields(schema, field, value, valid):
+    pattern = schema.at("spec", "adapters", "[]", field)["pattern"]
+    assert bool(re.search(pattern, value)) is valid
+
+
+def test_status_adapters_match_the_operator(schema):
+    item = schema.at("status", "adapters", "[]")
+    [written] = adapter_status([AdapterSpec("sql", "/adapters/sql", ADAPTER_REVISION)], [])
+    assert set(written) == set(item["properties"]) == set(item["required"])
+    assert "loraBytes" in schema.at("status", "capacity")["properties"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 
-from llmpool.operator.fingerprints import engine_url, fetch_fingerprints
+from llmpool.operator.fingerprints import engine_url, fetch_fingerprints, post_to_pod
 from llmpool.operator.views import pod_view
 
 
@@ -38,3 +40,23 @@ async def test_fetches_ready_pods_and_reports_the_unreachable(make_pod):
 def test_urls():
     assert engine_url("10.1.2.3", "/fingerprint") == "http://10.1.2.3:8000/fingerprint"
     assert engine_url("fd00::1", "/fingerprint") == "http://[fd00::1]:8000/fingerprint"
+
+
+async def test_posts_carry_the_pools_engine_key_when_there_is_one(make_pod):
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), request.headers.get("authorization"), request.content))
+        return httpx.Response(409, json={"error": {"code": "lora_slots_full"}})
+
+    pod = pod_view(make_pod("a", ip="10.0.0.1"))
+    body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+    transport = httpx.MockTransport(answer)
+    response = await post_to_pod(pod, "/v1/load_lora_adapter", body, "k3y", transport=transport)
+    assert response.status_code == 409  # an answer is returned, whatever it says
+    await post_to_pod(
+        pod, "/v1/unload_lora_adapter", {"lora_name": "sql"}, None, transport=transport
+    )
+    assert seen[0][:2] == ("http://10.0.0.1:8000/v1/load_lora_adapter", "Bearer k3y")
+    assert json.loads(seen[0][2]) == body
+    assert seen[1][1] is None  # open mode: no key

@@ -294,3 +294,87 @@ def test_engine_pods_get_a_default_memory_limit_the_spec_overrides(chat_spec):
     # Unknown memory plan (a model without a known shape): no limit is guessed.
     hf = {**spec, "model": {"source": "hf://org/model", "revision": "a" * 40}}
     assert "limits" not in engine_container(render(hf, None))["resources"]
+
+
+def adapter(name: str, source: str, digit: str = "a") -> dict:
+    return {"name": name, "source": source, "revision": "sha256:" + digit * 64}
+
+
+def test_lora_args_are_slots_only_and_adapters_turn_them_on(batch_spec):
+    assert "--enable-lora" not in engine_args(PoolSpec.from_dict(batch_spec))
+    with_adapter = {**batch_spec, "adapters": [adapter("sql", "/adapters/sql")]}
+    args = engine_args(PoolSpec.from_dict(with_adapter))
+    assert args.count("--enable-lora") == 1
+    assert (flag(args, "--max-loras"), flag(args, "--max-lora-rank")) == ("4", "16")
+    assert not any("lora-modules" in a or "/adapters/sql" in a for a in args)
+    slots_only = {**batch_spec, "lora": {"maxLoras": 8, "maxLoraRank": 64}}
+    args = engine_args(PoolSpec.from_dict(slots_only))
+    assert (flag(args, "--max-loras"), flag(args, "--max-lora-rank")) == ("8", "64")
+
+
+def adapter_mounts(deployment: dict) -> dict[str, dict]:
+    """The adapters' volumes by mount path."""
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    return {
+        m["mountPath"]: {k: v for k, v in volumes[m["name"]].items() if k != "name"}
+        for m in engine_container(deployment)["volumeMounts"]
+        if m["name"].startswith("adapters-")
+    }
+
+
+def roots_annotation(deployment: dict) -> list[str]:
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    return json.loads(annotations[naming.ADAPTER_ROOTS_ANNOTATION])
+
+
+def test_adapter_roots_are_mounted_once_each(batch_spec):
+    spec = {
+        **batch_spec,
+        "model": {"source": "pvc://weights/llama", "revision": "sha256:" + "1" * 64},
+        "adapters": [
+            adapter("a", "file:///var/lib/adapters/a"),
+            adapter("b", "file:///var/lib/adapters/b/"),
+            adapter("c", "file:///var/lib/adapters/deeper/c"),  # inside /var/lib/adapters
+            adapter("d", "pvc://weights/adapters/d"),  # on the model's claim, already mounted
+            adapter("e", "pvc://tuned/e"),
+            adapter("f", "/opt/adapters/f"),  # in the image
+        ],
+    }
+    deployment = render(spec, None)
+    assert adapter_mounts(deployment) == {
+        "/models/pvc/tuned": {"persistentVolumeClaim": {"claimName": "tuned", "readOnly": True}},
+        "/var/lib/adapters": {"hostPath": {"path": "/var/lib/adapters"}},
+    }
+    assert all(m["readOnly"] for m in engine_container(deployment)["volumeMounts"][1:])
+    assert roots_annotation(deployment) == [
+        "/models/pvc/tuned",
+        "/models/pvc/weights",
+        "/var/lib/adapters",
+    ]
+    names = [v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]]
+    assert len(names) == len(set(names))
+
+
+def test_adding_an_adapter_under_a_mounted_root_keeps_the_pod_template(batch_spec):
+    one = {**batch_spec, "adapters": [adapter("a", "file:///var/lib/adapters/a")]}
+    two = {**one, "adapters": [*one["adapters"], adapter("b", "file:///var/lib/adapters/b", "b")]}
+    reordered = {**two, "adapters": two["adapters"][::-1]}
+    template = render(one, None)["spec"]["template"]
+    assert render(two, None)["spec"]["template"] == template
+    assert render(reordered, None)["spec"]["template"] == template
+    # Another revision of an adapter is loaded in place: the template stays too.
+    swapped = {**one, "adapters": [adapter("a", "file:///var/lib/adapters/a", "c")]}
+    assert render(swapped, None)["spec"]["template"] == template
+    # A new root needs a volume: the template changes, the pin does not.
+    elsewhere = {**two, "adapters": [*two["adapters"], adapter("c", "file:///srv/lora/c")]}
+    changed = render(elsewhere, None)["spec"]["template"]
+    assert changed != template
+    assert "/srv/lora" in adapter_mounts(render(elsewhere, None))
+    digest = naming.DIGEST_ANNOTATION
+    assert changed["metadata"]["annotations"][digest] == template["metadata"]["annotations"][digest]
+
+
+def test_a_pool_without_lora_keeps_its_template(batch_spec):
+    template = render(batch_spec, None)["spec"]["template"]
+    assert naming.ADAPTER_ROOTS_ANNOTATION not in template["metadata"]["annotations"]
+    assert render({**batch_spec, "adapters": []}, None)["spec"]["template"] == template

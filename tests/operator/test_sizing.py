@@ -70,3 +70,30 @@ def test_no_default_memory_limit_without_a_memory_plan(chat_spec):
     assert default_memory_limit(PoolSpec.from_dict(no_kv)) is None
     unknown = {**chat_spec, "model": {"source": "hf://org/model", "revision": "a" * 40}}
     assert default_memory_limit(PoolSpec.from_dict(unknown)) is None
+
+
+ADAPTER = {"name": "sql", "source": "file:///adapters/sql", "revision": "sha256:" + "a" * 64}
+
+
+def test_lora_slots_are_in_the_capacity_and_a_cpu_pools_memory_limit(chat_spec):
+    spec = {**chat_spec, "resources": {}}
+    slot = capacity.lora_slot_bytes(SHAPE, 16, "float32")
+    with_adapter = PoolSpec.from_dict({**spec, "adapters": [ADAPTER]})  # lora defaults: 4 x 16
+    assert size_pool(with_adapter).capacity["loraBytes"] == 4 * slot
+    eight = PoolSpec.from_dict({**spec, "lora": {"maxLoras": 8, "maxLoraRank": 8}})
+    assert size_pool(eight).capacity["loraBytes"] == 8 * capacity.lora_slot_bytes(
+        SHAPE, 8, "float32"
+    )
+    assert "loraBytes" not in size_pool(PoolSpec.from_dict(spec)).capacity
+
+    weights = capacity.weight_bytes(SHAPE, "float32")
+    kv_cache = 256 * 2**20
+    expected = -(-(weights + kv_cache + 4 * slot + ENGINE_RUNTIME_BYTES) // 2**20)
+    assert default_memory_limit(with_adapter) == f"{expected}Mi"
+    # On a GPU the slots are device memory, as the KV cache is; they are bfloat16 there.
+    gpu = {**spec, "adapters": [ADAPTER], "resources": {"limits": {"nvidia.com/gpu": 1}}}
+    assert default_memory_limit(PoolSpec.from_dict(gpu)) == default_memory_limit(
+        PoolSpec.from_dict({**gpu, "adapters": []})
+    )
+    bf16_slot = capacity.lora_slot_bytes(SHAPE, 16, "bfloat16")
+    assert size_pool(PoolSpec.from_dict(gpu)).capacity["loraBytes"] == 4 * bf16_slot

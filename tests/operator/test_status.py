@@ -288,3 +288,16 @@ def test_a_served_name_claimed_in_another_namespace_is_a_conflict(make_pod, make
         blocked=Refusal("OwnershipConflict", "Service chat already exists"),
     )
     assert condition(status_of(blocked), "ServedNameConflict")[0] == "True"
+
+
+def test_adapters_are_written_when_checked_and_kept_otherwise(make_pod, make_deployment):
+    pods = [("a", {}), ("b", {})]
+    served = [{"name": "sql", "revision": OLD, "replicas": ["a"], "readyReplicas": 1}]
+    first = status_of(observe(make_pod, make_deployment, pods, adapters=served))
+    assert first["adapters"] == served
+    unchecked = status_of(observe(make_pod, make_deployment, pods), first)
+    assert "adapters" not in unchecked  # the merge patch leaves the previous list
+    emptied = status_of(observe(make_pod, make_deployment, pods, adapters=[]), first)
+    assert emptied["adapters"] == []
+    # A pool that never had adapters gets no empty list written on every check.
+    assert "adapters" not in status_of(observe(make_pod, make_deployment, pods, adapters=[]))

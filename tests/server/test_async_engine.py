@@ -257,3 +257,30 @@ async def test_a_failing_prepare_fails_start_and_leaves_no_engine_running() -> N
     assert not engine.running
     with pytest.raises(EngineStoppedError):
         await engine.submit("r", children(1))
+
+
+async def test_call_runs_on_the_engine_thread_between_steps_and_returns_or_raises() -> None:
+    core = ScriptedCore()
+    engine = await started(core)
+    stream = await engine.submit("r", children(1, max_tokens=10**9))
+
+    def where() -> tuple[str, int]:
+        steps = core.steps
+        time.sleep(0.01)  # no step may run meanwhile
+        assert core.steps == steps
+        return threading.current_thread().name, steps
+
+    thread, steps = await engine.call(where)
+    assert thread == "engine-loop" and steps > 0
+
+    def fail() -> None:
+        raise LookupError("no such adapter")
+
+    with pytest.raises(LookupError, match="no such adapter"):
+        await engine.call(fail)
+    async for _ in stream:  # the loop went on stepping the running request
+        break
+    stream.abort()
+    await engine.shutdown()
+    with pytest.raises(EngineStoppedError):
+        await engine.call(lambda: None)

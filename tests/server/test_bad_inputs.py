@@ -320,6 +320,12 @@ def test_unknown_model_is_a_404(http: httpx.Client) -> None:
         assert error["code"] == "model_not_found"
 
 
+def test_adapter_routes_without_lora_are_a_400(http: httpx.Client) -> None:
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        body = {"lora_name": "a", "lora_path": "/tmp/a"}
+        assert assert_openai_error(http.post(path, json=body), 400)["code"] == "lora_not_enabled"
+
+
 def test_wrong_or_missing_api_key_is_a_401(server) -> None:
     for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {}):
         for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):

@@ -236,6 +236,9 @@ def test_fingerprint_matches_the_operator_digest(server) -> None:
     assert observed["tokenizerDigest"] == model_source.tokenizer_digest(resolved.folder)
     assert observed["device"] == "cpu" and observed["dtype"] == "float32"
     assert observed["dtypeReason"] == "set explicitly"
+    assert (fingerprint["lora"], fingerprint["adapters"], fingerprint["adapterFailures"]) == (
+        None, [], [],
+    )  # fmt: skip
 
 
 def test_bench_serve_writes_json_markdown_and_plot(server, tmp_path: Path) -> None:

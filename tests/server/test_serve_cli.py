@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from llmpool.engine import model_source
 from llmpool.engine.config import EngineConfig
-from llmpool.engine.server.cli import build_parser, engine_config
+from llmpool.engine.server.cli import LoraModule, build_parser, engine_config, lora_modules
 from llmpool.engine.server.prompts import PromptBuilder
 from llmpool.engine.server.protocol import APIError
 
@@ -136,3 +136,38 @@ def test_options_the_engine_cannot_run_are_refused_by_the_parser(
         build_parser().parse_args(flags)
     assert exited.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_lora_flags_reach_the_engine_config_and_modules_parse_as_vllm_writes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pinned = '{"name": "b", "path": "/a/b", "revision": "sha256:ab", "base_model_name": "x"}'
+    args = build_parser().parse_args(
+        ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "32",
+         "--lora-modules", "a=/a/a", pinned]
+    )  # fmt: skip
+    config = engine_config(args)
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank) == (True, 4, 32)
+    assert lora_modules(args) == [LoraModule("a", "/a/a"), LoraModule("b", "/a/b", "sha256:ab")]
+    monkeypatch.setenv("LLMPOOL_ENABLE_LORA", "true")
+    monkeypatch.setenv("LLMPOOL_LORA_MODULES", "a=/a/a c=/a/c")
+    from_env = build_parser().parse_args([])
+    assert lora_modules(from_env) == [LoraModule("a", "/a/a"), LoraModule("c", "/a/c")]
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--lora-modules", "a=/a"], "needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "a"], "name=path"),
+        (["--enable-lora", "--lora-modules", "=/a"], "name=path"),
+        (["--enable-lora", "--lora-modules", "a/b=/a"], "must match"),
+        (["--enable-lora", "--lora-modules", "a=/a", "a=/b"], "twice"),
+        (["--enable-lora", "--lora-modules", '{"name": "a"}'], "a name and a path"),
+        (["--enable-lora", "--lora-modules", '{"name": "a", "path": "/a", "rank": 4}'], "keys"),
+        (["--enable-lora", "--lora-modules", '{"name": "a", "path": '], "not JSON"),
+    ],
+)
+def test_bad_lora_modules_are_refused(flags: list[str], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        lora_modules(build_parser().parse_args(flags))
