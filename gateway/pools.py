@@ -8,11 +8,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmpool.operator import conditions, naming
+from llmpool.operator import adapters, conditions, naming
 from llmpool.operator.spec import PoolSpec
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set by Kubernetes on every EndpointSlice
-ADAPTER_DRIFT_PREFIX = "adapters."  # status.drift field of an adapter: adapters.<name>
 
 PoolKey = tuple[str, str]  # (namespace, name)
 
@@ -71,7 +70,7 @@ def pool_from_object(obj: Mapping[str, Any]) -> Pool:
             for entry in status.get("outgoing") or []
             if "pod" in entry and "pinnedDigest" in entry
         },
-        adapters={a["name"]: a["revision"] for a in obj["spec"].get("adapters") or []},
+        adapters={adapter.name: adapter.revision for adapter in spec.adapters},
         adapter_drift=frozenset(
             (e["pod"], name) for e in drift if (name := _drifted_adapter(e)) is not None
         ),
@@ -82,8 +81,8 @@ def _drifted_adapter(entry: Mapping[str, Any]) -> str | None:
     """The adapter a status.drift entry is about (field ``adapters.<name>``), else None: a pod
     whose adapter drifted still serves the base model and its other adapters."""
     field_name = entry.get("field")
-    if isinstance(field_name, str) and field_name.startswith(ADAPTER_DRIFT_PREFIX):
-        return field_name.removeprefix(ADAPTER_DRIFT_PREFIX)
+    if isinstance(field_name, str) and field_name.startswith(adapters.FIELD_PREFIX):
+        return field_name.removeprefix(adapters.FIELD_PREFIX)
     return None
 
 
