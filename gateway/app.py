@@ -183,12 +183,17 @@ class Gateway:
             raw, release_body = await self.budget.read_body(request)
             try:
                 facts = read_facts(raw, path, self.settings.prefix_chars)
-                pool = self._pool_for(facts, tenant, request.headers.get("x-llmpool-priority"))
+                pool, adapter = self._pool_for(
+                    facts, tenant, request.headers.get("x-llmpool-priority")
+                )
                 releases.append(self.limiter.admit(tenant.name, tenant.limits, facts.cost))
                 releases.append(self._count_in(tenant, facts))
-                if facts.model != pool.served_name:  # named as namespace/servedName
-                    raw = with_model(raw, pool.served_name)
-                response = await self._forward(request, tenant, pool, facts, path, raw, finish)
+                model = adapter or pool.served_name
+                if facts.model != model:  # named as namespace/name
+                    raw = with_model(raw, model)
+                response = await self._forward(
+                    request, tenant, pool, adapter, facts, path, raw, finish
+                )
             finally:
                 del raw  # the body's last reference here: once the upstream has it, it is gone
                 release_body()
@@ -214,19 +219,21 @@ class Gateway:
         request: Request,
         tenant: Tenant,
         pool: Pool,
+        adapter: str | None,
         facts: RequestFacts,
         path: str,
         raw: bytes,
         finish: Callable[[], None],
     ) -> Response:
-        """The response of a replica of ``pool``, retried once on another; ``finish`` runs when
-        a relayed response ends. Raises ClientGone when the client leaves first."""
+        """The response of a replica of ``pool`` (one with ``adapter``, if one is asked for),
+        retried once on another; ``finish`` runs when a relayed response ends. Raises ClientGone
+        when the client leaves first."""
         # One watcher of the client for the whole wait: a held request whose client left is
         # dropped at once, and stops counting as demand.
         disconnected = asyncio.ensure_future(wait_for_disconnect(request.receive))
         try:
             return await self._attempts(
-                request, tenant, pool, facts, path, raw, finish, disconnected
+                request, tenant, pool, adapter, facts, path, raw, finish, disconnected
             )
         finally:
             disconnected.cancel()
@@ -236,6 +243,7 @@ class Gateway:
         request: Request,
         tenant: Tenant,
         pool: Pool,
+        adapter: str | None,
         facts: RequestFacts,
         path: str,
         raw: bytes,
@@ -247,10 +255,11 @@ class Gateway:
         deadline = time.monotonic() + self.settings.hold_timeout
         tried: set[str] = set()
         failure: UpstreamFailed | None = None
+        key = routing.affinity_key(facts.prefix_key, adapter)
         for attempt in range(2):
             try:
                 pool, decision = await self._pick(
-                    pool, tenant, facts.prefix_key, tried, deadline, disconnected
+                    pool, tenant, adapter, key, tried, deadline, disconnected
                 )
             except APIError:
                 if failure is None:
@@ -296,45 +305,48 @@ class Gateway:
 
         return done, broken
 
-    def _pool_for(self, facts: RequestFacts, tenant: Tenant, header: str | None) -> Pool:
+    def _pool_for(
+        self, facts: RequestFacts, tenant: Tenant, header: str | None
+    ) -> tuple[Pool, str | None]:
         """Among the pools the tenant may use: those ``model`` names (a pool it may not use is
-        as absent as one that does not exist), then the one of the requested class."""
+        as absent as one that does not exist), then the one of the requested class; and the
+        adapter ``model`` names, if it names one."""
         visible = [pool for pool in self.table.pools() if tenant.may_use(pool)]
         try:
-            pools = routing.pools_named(visible, facts.model)
+            pools, adapter = routing.resolve(visible, facts.model)
         except routing.RoutingError as error:
             raise APIError(error.status, str(error), param="model", code=error.code) from None
         try:
             wanted = routing.requested_class(facts.priority, header)
         except routing.RoutingError as error:
             raise bad_request(str(error), param="priority", code=error.code) from None
-        return routing.choose_pool(pools, wanted)
+        return routing.choose_pool(pools, wanted), adapter
 
     async def _pick(
         self,
         pool: Pool,
         tenant: Tenant,
+        adapter: str | None,
         key: bytes,
         tried: set[str],
         deadline: float,
         disconnected: asyncio.Future[None],
     ) -> tuple[Pool, routing.Decision]:
-        """A replica not tried yet, waiting until ``deadline`` (monotonic) for one to appear."""
+        """A replica not tried yet (with ``adapter`` loaded, if one is asked for), waiting until
+        ``deadline`` (monotonic) for one to appear."""
         while True:
             if disconnected.done():
                 raise ClientGone
             pool = self.table.pool(pool.key) or pool
             started = time.perf_counter()
             candidates = [
-                routing.Candidate(r, self.tracker.get(r).load, self.tracker.get(r).digest)
-                for r in self.table.replicas(pool)
-                if r.url not in tried
+                self._candidate(r) for r in self.table.replicas(pool) if r.url not in tried
             ]
             try:
-                healthy = routing.routable(pool, candidates)
+                healthy = routing.routable(pool, candidates, adapter)
             except routing.RoutingError as error:
                 remaining = deadline - time.monotonic()
-                if error.code != routing.NO_READY_REPLICA or remaining <= 0:
+                if error.code not in routing.HELD_CODES or remaining <= 0:
                     raise unavailable(str(error), error.code) from None
                 if self.tracker.held_count(pool) >= self.settings.max_held:
                     raise unavailable(
@@ -347,11 +359,16 @@ class Gateway:
             self.metrics.routing_latency.observe(time.perf_counter() - started)
             return pool, decision
 
+    def _candidate(self, replica: Replica) -> routing.Candidate:
+        load = self.tracker.get(replica)
+        return routing.Candidate(replica, load.load, load.digest, load.adapters)
+
     async def _hold(
         self, pool: Pool, tenant: Tenant, timeout: float, disconnected: asyncio.Future[None]
     ) -> None:
-        """Wait until the table changes (a replica may have appeared) or the client leaves, at
-        most ``timeout``. Counted as the pool's demand, and against the tenant's held limit."""
+        """Wait until the table changes (a replica may have appeared), a replica's fingerprint
+        changes (an adapter may have been loaded) or the client leaves, at most ``timeout``.
+        Counted as the pool's demand, and against the tenant's held limit."""
         gauges = (
             self.metrics.held_requests.labels(pool=pool.label),
             self.metrics.tenant_held.labels(tenant=tenant.name),
@@ -361,12 +378,16 @@ class Gateway:
                 gauge.inc()
             if self.demand is not None:
                 self.demand.poke()
-            changed = asyncio.ensure_future(self.table.wait_for_change())
+            changes: set[asyncio.Future[Any]] = {
+                asyncio.ensure_future(self.table.wait_for_change()),
+                asyncio.ensure_future(self.tracker.wait_for_fingerprints()),
+            }
             try:
-                await asyncio.wait({changed, disconnected}, timeout=timeout,
+                await asyncio.wait({*changes, disconnected}, timeout=timeout,
                                    return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             finally:
-                changed.cancel()
+                for changed in changes:
+                    changed.cancel()
                 for gauge in gauges:
                     gauge.dec()
 
@@ -421,6 +442,16 @@ class Gateway:
         data = [
             {"id": name, "object": "model", "created": self._created, "owned_by": "llmpool"}
             for name in routing.model_ids(visible)
+        ]
+        data += [
+            {
+                "id": name,
+                "object": "model",
+                "created": self._created,
+                "owned_by": "llmpool",
+                "parent": parent,
+            }
+            for name, parent in routing.adapter_ids(visible).items()
         ]
         return JSONResponse({"object": "list", "data": data})
 

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,6 +34,8 @@ class ReplicaLoad:
     waiting: float = 0.0  # last scrape
     kv_cache_usage: float = 0.0  # last scrape, 0..1
     digest: str | None = None  # the replica's /fingerprint digest; None until known
+    # The adapters its /fingerprint lists, name -> digest of their files; None until known
+    adapters: Mapping[str, str] | None = None
 
     @property
     def load(self) -> float:
@@ -42,11 +44,16 @@ class ReplicaLoad:
 
 
 class LoadTracker:
-    """Per-replica load, updated by routing (in-flight) and by the scraper (gauges, digest)."""
+    """Per-replica load, updated by routing (in-flight) and by the scraper (gauges, fingerprint).
+
+    ``wait_for_fingerprints`` lets a request held for an adapter wake up when a replica's
+    fingerprint changes (the adapter may have just been loaded there).
+    """
 
     def __init__(self) -> None:
         self._replicas: dict[str, ReplicaLoad] = {}
         self._held: Counter[PoolKey] = Counter()
+        self._fingerprints_changed = asyncio.Event()
 
     def get(self, replica: Replica) -> ReplicaLoad:
         return self._replicas.get(replica.url, ReplicaLoad())
@@ -79,8 +86,19 @@ class LoadTracker:
     def record_scrape(self, replica: Replica, gauges: dict[str, float]) -> None:
         self._update(replica, **gauges)
 
-    def record_digest(self, replica: Replica, digest: str | None) -> None:
-        self._update(replica, digest=digest)
+    def record_fingerprint(
+        self, replica: Replica, digest: str | None, adapters: Mapping[str, str]
+    ) -> None:
+        known = self.get(replica)
+        if (known.digest, known.adapters) == (digest, adapters):
+            return
+        self._update(replica, digest=digest, adapters=adapters)
+        self._fingerprints_changed.set()
+        self._fingerprints_changed = asyncio.Event()
+
+    def wait_for_fingerprints(self) -> Coroutine[Any, Any, bool]:
+        """Done at the next change after this call (the event is taken now, not when awaited)."""
+        return self._fingerprints_changed.wait()
 
     def forget_except(self, replicas: Sequence[Replica]) -> None:
         """Drop replicas that left every pool, unless requests to them are still running."""
@@ -91,17 +109,31 @@ class LoadTracker:
 
 
 async def scrape_replica(client: httpx.AsyncClient, tracker: LoadTracker, replica: Replica) -> None:
-    """Gauges from /metrics and the digest from /fingerprint; a failure keeps the last values."""
+    """Gauges from /metrics, the digest and the adapters from /fingerprint; a failure keeps the
+    last values."""
     try:
         metrics = await client.get(f"{replica.url}/metrics")
         metrics.raise_for_status()
         tracker.record_scrape(replica, parse_engine_gauges(metrics.text))
         fingerprint = await client.get(f"{replica.url}/fingerprint")
         fingerprint.raise_for_status()
-        digest = fingerprint.json().get("digest")
-        tracker.record_digest(replica, digest if isinstance(digest, str) else None)
+        body = fingerprint.json()
+        digest = body.get("digest")
+        adapters = fingerprint_adapters(body)
+        tracker.record_fingerprint(replica, digest if isinstance(digest, str) else None, adapters)
     except (httpx.HTTPError, ValueError, AttributeError) as error:
         logger.debug("scrape of %s failed: %s", replica.url, error)
+
+
+def fingerprint_adapters(fingerprint: Mapping[str, Any]) -> dict[str, str]:
+    """Name -> digest of the adapters a /fingerprint lists as loaded (none without LoRA)."""
+    return {
+        entry["name"]: entry["digest"]
+        for entry in fingerprint.get("adapters") or []
+        if isinstance(entry, Mapping)
+        and isinstance(entry.get("name"), str)
+        and isinstance(entry.get("digest"), str)
+    }
 
 
 async def scrape_forever(

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmpool.operator import conditions, naming
+from llmpool.operator import adapters, conditions, naming
 from llmpool.operator.spec import PoolSpec
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set by Kubernetes on every EndpointSlice
@@ -32,10 +32,13 @@ class Pool:
     priority_class: str
     ready: bool  # the Ready condition; a pool that is not Ready may still have ready replicas
     pinned_digest: str | None
-    drifted: frozenset[str]  # pods listed in status.drift
+    drifted: frozenset[str]  # pods listed in status.drift for anything but an adapter
     scales_from_zero: bool = False  # autoscaling.minReplicas 0: a held request brings a replica
     # status.outgoing: pods of an older template during a rollout -> the digest that template pins
     outgoing: Mapping[str, str] = field(default_factory=dict)
+    adapters: Mapping[str, str] = field(default_factory=dict)  # spec.adapters: name -> revision
+    # (pod, adapter) of status.drift entries for ``adapters.<name>``: that adapter only is off
+    adapter_drift: frozenset[tuple[str, str]] = frozenset()
 
     @property
     def key(self) -> PoolKey:
@@ -52,6 +55,7 @@ def pool_from_object(obj: Mapping[str, Any]) -> Pool:
     spec = PoolSpec.from_dict(obj["spec"])
     status = obj.get("status") or {}
     ready = conditions.find(status.get("conditions") or [], conditions.READY)
+    drift = [entry for entry in status.get("drift") or [] if "pod" in entry]
     return Pool(
         namespace=metadata["namespace"],
         name=metadata["name"],
@@ -60,13 +64,26 @@ def pool_from_object(obj: Mapping[str, Any]) -> Pool:
         ready=ready is not None and ready.get("status") == "True",
         scales_from_zero=spec.autoscaling is not None and spec.autoscaling.min_replicas == 0,
         pinned_digest=status.get("pinnedDigest"),
-        drifted=frozenset(entry["pod"] for entry in status.get("drift") or [] if "pod" in entry),
+        drifted=frozenset(e["pod"] for e in drift if _drifted_adapter(e) is None),
         outgoing={
             entry["pod"]: entry["pinnedDigest"]
             for entry in status.get("outgoing") or []
             if "pod" in entry and "pinnedDigest" in entry
         },
+        adapters={adapter.name: adapter.revision for adapter in spec.adapters},
+        adapter_drift=frozenset(
+            (e["pod"], name) for e in drift if (name := _drifted_adapter(e)) is not None
+        ),
     )
+
+
+def _drifted_adapter(entry: Mapping[str, Any]) -> str | None:
+    """The adapter a status.drift entry is about (field ``adapters.<name>``), else None: a pod
+    whose adapter drifted still serves the base model and its other adapters."""
+    field_name = entry.get("field")
+    if isinstance(field_name, str) and field_name.startswith(adapters.FIELD_PREFIX):
+        return field_name.removeprefix(adapters.FIELD_PREFIX)
+    return None
 
 
 def serves_new_requests(endpoint: Mapping[str, Any]) -> bool:

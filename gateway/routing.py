@@ -8,6 +8,12 @@ gateway replica ranks alike without sharing state. The first-ranked replica take
 unless its load is at the bound of consistent hashing with bounded loads,
 ``ceil(load_factor * (total load + 1) / replicas)``; then the least-loaded replica does, chosen
 at random among ties.
+
+A request may name a LoRA adapter a pool declares (``spec.adapters``) instead of its served
+name. It goes only to replicas whose /fingerprint shows that adapter loaded with the files the
+pool pins, and its affinity key includes the adapter's name: each replica caches prefixes per
+adapter, so one adapter's requests sharing a prefix meet on one replica, and several adapters
+behind the same system prompt spread over the replicas.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +41,9 @@ MODEL_NOT_FOUND = "model_not_found"
 MODEL_AMBIGUOUS = "model_ambiguous"
 NO_READY_REPLICA = "no_ready_replica"
 REPLICAS_DRIFTED = "replicas_drifted"
+ADAPTER_NOT_RESIDENT = "adapter_not_resident"
+# A request is held (up to the hold timeout) on these: a replica or an adapter load may come.
+HELD_CODES = frozenset({NO_READY_REPLICA, ADAPTER_NOT_RESIDENT})
 
 
 class RoutingError(Exception):
@@ -70,6 +79,14 @@ def prefix_key(text: str, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> bytes:
     return hashlib.blake2b(text[:prefix_chars].encode("utf-8", "replace"), digest_size=16).digest()
 
 
+def affinity_key(prefix: bytes, adapter: str | None) -> bytes:
+    """The key replicas are ranked by: the prefix key for the base model, the adapter's name
+    and the prefix key for an adapter."""
+    if adapter is None:
+        return prefix
+    return hashlib.blake2b(adapter.encode() + b"\0" + prefix, digest_size=16).digest()
+
+
 def requested_class(body_priority: Any, header: str | None) -> str | None:
     """The priority class asked for: the body's ``priority`` first, then the header.
 
@@ -92,21 +109,33 @@ def requested_class(body_priority: Any, header: str | None) -> str | None:
     return max(fitting, key=PRIORITY_CLASSES.__getitem__) if fitting else DEFAULT_PRIORITY_CLASS
 
 
-def pools_named(pools: Sequence[Pool], model: str) -> list[Pool]:
-    """The pools, among those the caller may use, that ``model`` names: by served name, or as
-    ``namespace/servedName``. Pools of one namespace may share a served name (one per priority
-    class); pools of two namespaces sharing one make the bare name ambiguous: a 400 naming the
-    qualified names, never a winner picked by sort order.
+def resolve(pools: Sequence[Pool], model: str) -> tuple[list[Pool], str | None]:
+    """The pools, among those the caller may use, that ``model`` names, and the adapter it asks
+    for (None: the base model).
+
+    By served name, or as ``namespace/servedName``; failing that, by the name of an adapter in
+    ``spec.adapters``, bare or qualified alike (the adapter comes back bare, as the engines know
+    it). Pools of one namespace may share a name (one per priority class); pools of two
+    namespaces sharing one make the bare name ambiguous: a 400 naming the qualified names, never
+    a winner picked by sort order.
     """
-    named = [p for p in pools if p.served_name == model]
-    if not named and "/" in model:
-        namespace, served_name = model.split("/", 1)
-        named = [p for p in pools if (p.namespace, p.served_name) == (namespace, served_name)]
+    named = _named(pools, model, lambda pool, name: pool.served_name == name)
+    if named:
+        return named, None
+    named = _named(pools, model, lambda pool, name: name in pool.adapters)
     if not named:
-        served = ", ".join(model_ids(pools)) or "none"
-        raise RoutingError(
-            404, f"the model {model!r} does not exist; served models: {served}", MODEL_NOT_FOUND
-        )
+        raise _not_found(pools, model)
+    adapter = model if model in named[0].adapters else model.split("/", 1)[1]
+    return named, adapter
+
+
+def _named(pools: Sequence[Pool], model: str, names: Callable[[Pool, str], bool]) -> list[Pool]:
+    """The pools ``names(pool, model)`` holds for, else those of ``namespace/name``; a 400 if
+    they are in several namespaces."""
+    named = [p for p in pools if names(p, model)]
+    if not named and "/" in model:
+        namespace, name = model.split("/", 1)
+        named = [p for p in pools if p.namespace == namespace and names(p, name)]
     namespaces = sorted({p.namespace for p in named})
     if len(namespaces) > 1:
         qualified = ", ".join(f"{namespace}/{model}" for namespace in namespaces)
@@ -118,23 +147,50 @@ def pools_named(pools: Sequence[Pool], model: str) -> list[Pool]:
     return named
 
 
+def _not_found(pools: Sequence[Pool], model: str) -> RoutingError:
+    served = ", ".join([*model_ids(pools), *adapter_ids(pools)]) or "none"
+    return RoutingError(
+        404, f"the model {model!r} does not exist; served models: {served}", MODEL_NOT_FOUND
+    )
+
+
 def model_ids(pools: Sequence[Pool]) -> list[str]:
     """The ids ``/v1/models`` lists for ``pools`` (those the caller may use): the served name of
     each pool that is Ready or comes up on demand, once; a served name claimed in several
     namespaces is listed as ``namespace/servedName`` for each instead, the ids that work."""
-    namespaces: dict[str, set[str]] = {}
-    for pool in pools:
-        namespaces.setdefault(pool.served_name, set()).add(pool.namespace)
-    listed = {
-        pool.served_name if len(namespaces[pool.served_name]) == 1 else pool_model_id(pool)
-        for pool in pools
-        if pool.ready or pool.scales_from_zero
+    return sorted({_listed_id(pools, p, p.served_name, _served_name) for p in _listed(pools)})
+
+
+def adapter_ids(pools: Sequence[Pool]) -> dict[str, str]:
+    """The adapters ``/v1/models`` lists, by the same rules as :func:`model_ids`, each with its
+    parent: the id its pool's base model is listed under. An adapter named like a served model
+    is left out: that name routes to the served model."""
+    served = {p.served_name for p in pools}
+    return {
+        _listed_id(pools, pool, name, lambda p: p.adapters): _listed_id(
+            pools, pool, pool.served_name, _served_name
+        )
+        for pool in _listed(pools)
+        for name in sorted(pool.adapters)
+        if name not in served
     }
-    return sorted(listed)
 
 
-def pool_model_id(pool: Pool) -> str:
-    return f"{pool.namespace}/{pool.served_name}"
+def _listed(pools: Sequence[Pool]) -> list[Pool]:
+    return [pool for pool in pools if pool.ready or pool.scales_from_zero]
+
+
+def _served_name(pool: Pool) -> set[str]:
+    return {pool.served_name}
+
+
+def _listed_id(
+    pools: Sequence[Pool], pool: Pool, name: str, names: Callable[[Pool], Collection[str]]
+) -> str:
+    """``name`` if only one namespace's pools have it among ``names(pool)``, else qualified."""
+    if len({p.namespace for p in pools if name in names(p)}) == 1:
+        return name
+    return f"{pool.namespace}/{name}"
 
 
 def choose_pool(pools: Sequence[Pool], wanted: str | None) -> Pool:
@@ -153,13 +209,18 @@ class Candidate:
     replica: Replica
     load: float
     digest: str | None  # from its /fingerprint; None: not known yet
+    adapters: Mapping[str, str] | None = None  # from its /fingerprint: name -> digest
 
 
-def routable(pool: Pool, candidates: Sequence[Candidate]) -> list[Candidate]:
+def routable(
+    pool: Pool, candidates: Sequence[Candidate], adapter: str | None = None
+) -> list[Candidate]:
     """The replicas that may take traffic: none listed in status.drift, none whose digest differs
-    from its own pin (``drifted``).
+    from its own pin (``drifted``); for an adapter, only those that have it loaded with the
+    revision the pool pins and are not in drift for it.
 
-    Raises a 503 when there are replicas but every one of them drifted, or when there are none.
+    Raises a 503 when there are replicas but every one of them drifted, or when there are none;
+    for an adapter, when none of the healthy replicas has it (yet).
     """
     if not candidates:
         raise RoutingError(503, f"pool {pool.label} has no ready replica", NO_READY_REPLICA)
@@ -170,7 +231,28 @@ def routable(pool: Pool, candidates: Sequence[Candidate]) -> list[Candidate]:
             f"every ready replica of pool {pool.label} drifted from its pin; retry later",
             REPLICAS_DRIFTED,
         )
-    return healthy
+    if adapter is None:
+        return healthy
+    resident = [c for c in healthy if has_adapter(pool, c, adapter)]
+    if not resident:
+        raise RoutingError(
+            503,
+            f"no ready replica of pool {pool.label} has adapter {adapter!r} loaded at revision"
+            f" {pool.adapters.get(adapter)}; retry later",
+            ADAPTER_NOT_RESIDENT,
+        )
+    return resident
+
+
+def has_adapter(pool: Pool, candidate: Candidate, adapter: str) -> bool:
+    """Loaded there with the files the pool pins, and not in drift for it."""
+    revision = pool.adapters.get(adapter)
+    loaded = (candidate.adapters or {}).get(adapter)
+    return (
+        revision is not None
+        and loaded == revision
+        and (candidate.replica.name, adapter) not in pool.adapter_drift
+    )
 
 
 def drifted(pool: Pool, candidate: Candidate) -> bool:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Triton reads this once, at import; whichever test imports it first (HF generate does), the
 # kernel tests must find it interpreting on CPU. LLMPOOL_KERNEL_TEST_DEVICE=cuda runs them on GPU.
@@ -14,6 +18,7 @@ import pytest
 import torch
 
 from llmpool.engine import model_source
+from llmpool.engine.lora.ops import LoraBatch
 
 _PARAGRAPH = (
     "The history of computing is a story of abstraction layered on abstraction. Early machines "
@@ -48,6 +53,23 @@ def builtin_folder() -> Path:
 
 
 @pytest.fixture(scope="session")
+def save_small_checkpoint(builtin_folder: Path) -> Callable[[Any, Path], Path]:
+    """Writes a randomly initialised model of an HF config, with the built-in model's tokenizer,
+    into a folder that ``LLM(str(folder))`` loads."""
+
+    def save(config: Any, folder: Path) -> Path:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(builtin_folder / name, folder / name)
+        return folder
+
+    return save
+
+
+@pytest.fixture(scope="session")
 def hf_greedy_reference(builtin_folder: Path) -> dict[tuple[int, ...], list[int]]:
     """HF ``generate()`` greedy continuations of every reference prompt, one prompt at a time.
 
@@ -70,3 +92,76 @@ def hf_greedy_reference(builtin_folder: Path) -> dict[tuple[int, ...], list[int]
             )
             reference[tuple(ids)] = out[0, len(ids) :].tolist()
     return reference
+
+
+@dataclass(frozen=True)
+class LoraCase:
+    """One fused module of one step, as :func:`llmpool.engine.lora.ops.torch_lora_add` takes it.
+
+    ``row_slots[t]`` is row ``t``'s slot, -1 for the base model; ``ranks[s]`` is the adapter's
+    own rank in slot ``s``, the rest of its ``max_rank`` columns zero as the manager leaves them.
+    """
+
+    out: torch.Tensor  # [T, sum(out_j)]
+    x: torch.Tensor  # [T, in]
+    a: torch.Tensor  # [S, parts * R, in]
+    b: list[torch.Tensor]  # [S, out_j, R] per part
+    offsets: list[int]
+    scaling: torch.Tensor  # [S] float32
+    batch: LoraBatch
+    row_slots: list[int]
+    ranks: list[int]
+
+
+# (slot, rows) in the batch's order: not sorted by slot; slot 1 is loaded but no row uses it.
+LORA_GROUPS = [(2, 1), (0, 17), (3, 5)]
+LORA_BASE_ROWS = 7
+
+
+@pytest.fixture(scope="session")
+def lora_case() -> Callable[..., LoraCase]:
+    """Builds a case with ``in_features`` 48 (not a multiple of a kernel's block), parts of
+    32, 16 and 16 outputs, and adapters of rank ``max_rank`` but the one in slot 2 (half)."""
+
+    def build(max_rank: int, dtype: torch.dtype, device: torch.device) -> LoraCase:
+        generator = torch.Generator().manual_seed(max_rank)
+        num_slots, in_features, out_parts = 4, 48, [32, 16, 16]
+        ranks = [max_rank, max_rank, max_rank // 2, max_rank]
+        slots = [slot for slot, rows in LORA_GROUPS for _ in range(rows)]
+        num_rows = len(slots) + LORA_BASE_ROWS
+        row_of = torch.randperm(num_rows, generator=generator).tolist()
+        row_slots = [-1] * num_rows
+        for place, slot in enumerate(slots):
+            row_slots[row_of[place]] = slot
+        sizes = torch.tensor([rows for _, rows in LORA_GROUPS])
+        batch = LoraBatch(
+            sorted_tokens=torch.tensor(row_of[: len(slots)], device=device),
+            group_slots=torch.tensor([slot for slot, _ in LORA_GROUPS], device=device),
+            group_starts=torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]).to(device),
+            max_group_len=int(sizes.max()),
+        )
+        rank_mask = (torch.arange(max_rank)[None, :] < torch.tensor(ranks)[:, None]).float()
+        a = torch.randn(num_slots, len(out_parts), max_rank, in_features, generator=generator)
+        a = (0.2 * a * rank_mask[:, None, :, None]).view(num_slots, -1, in_features)
+        b = [
+            0.2 * torch.randn(num_slots, n, max_rank, generator=generator) * rank_mask[:, None]
+            for n in out_parts
+        ]
+        offsets = torch.tensor([0, *out_parts]).cumsum(0)[:-1].tolist()
+
+        def on_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype=dtype, device=device)
+
+        return LoraCase(
+            out=on_device(torch.randn(num_rows, sum(out_parts), generator=generator)),
+            x=on_device(torch.randn(num_rows, in_features, generator=generator)),
+            a=on_device(a),
+            b=[on_device(b_j) for b_j in b],
+            offsets=offsets,
+            scaling=torch.tensor([2.0, 0.5, 4.0, 0.25], device=device),
+            batch=batch,
+            row_slots=row_slots,
+            ranks=ranks,
+        )
+
+    return build

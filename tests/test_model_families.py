@@ -6,7 +6,6 @@ equal transformers' ``generate()`` on the same folder, in float32.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -54,16 +53,9 @@ def mistral_config():
 
 
 @pytest.fixture(scope="module", params=[llama_config, qwen2_config, mistral_config])
-def small_checkpoint(request, builtin_folder: Path, tmp_path_factory) -> Path:
-    from transformers import AutoModelForCausalLM
-
+def small_checkpoint(request, save_small_checkpoint, tmp_path_factory) -> Path:
     config = request.param()
-    folder = tmp_path_factory.mktemp(config.model_type)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(builtin_folder / name, folder / name)
-    return folder
+    return save_small_checkpoint(config, tmp_path_factory.mktemp(config.model_type))
 
 
 def test_greedy_matches_transformers(small_checkpoint: Path) -> None:

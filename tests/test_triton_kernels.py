@@ -11,6 +11,9 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 DEVICE = os.environ.get("LLMPOOL_KERNEL_TEST_DEVICE", "cpu")
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -503,3 +506,94 @@ def test_rotary_embedding(dtype: torch.dtype, queries_per_kv: int, device: torch
     torch.testing.assert_close(actual_q, expected_q, **tol)
     torch.testing.assert_close(actual_k, expected_k, **tol)
     assert torch.equal(qkv, before), "rotary_embedding must not modify its inputs"
+
+
+LORA_TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 2e-2, "rtol": 2e-2},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=DTYPE_ID)
+@pytest.mark.parametrize("max_rank", [8, 16])
+def test_lora_add_matches_reference(
+    dtype: torch.dtype, max_rank: int, device: torch.device, lora_case: Callable[..., Any]
+) -> None:
+    # Groups of 1, 17 and 5 rows on slots 2, 0 and 3 among 7 base-model rows; 48 input features
+    # (not a multiple of the kernel's K step); parts of 32, 16 and 16 columns.
+    case = lora_case(max_rank, dtype, device)
+    expected = case.out.clone()
+    TORCH.lora_add(
+        expected, case.x, case.a, case.b, case.offsets, TORCH.lora_plan(case.batch, case.scaling)
+    )
+    plan = TRITON.lora_plan(case.batch, case.scaling)
+    # Rows per program from the longest group (one tile for 17 rows), then 16 (two tiles).
+    for block_m in (plan.block_m, 16):
+        actual = case.out.clone()
+        TRITON.lora_add(
+            actual, case.x, case.a, case.b, case.offsets, dataclasses.replace(plan, block_m=block_m)
+        )
+        torch.testing.assert_close(actual, expected, **LORA_TOL[dtype])
+        base_rows = [row for row, slot in enumerate(case.row_slots) if slot < 0]
+        assert torch.equal(actual[base_rows], case.out[base_rows])
+
+
+def test_engine_with_adapters_on_triton_matches_the_torch_backend(
+    device: torch.device, save_small_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    # The kernel as the model calls it: every projection of every layer, on the real stacks
+    # (strided views, fused parts); a prefill and a decode of base-model and two adapters' rows
+    # in one batch, float32, on a 2-layer random Llama (the built-in model's 30 layers take
+    # minutes under the interpreter). The adapters must move the log-probabilities.
+    from transformers import LlamaConfig
+
+    from llmpool.engine import LLM, SamplingParams
+    from llmpool.engine.lora import LoRARequest
+    from llmpool.engine.lora.adapter import random_adapter
+    from llmpool.engine.models.llama import LlamaShape
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        initializer_range=0.1,
+    )
+    model = save_small_checkpoint(config, tmp_path / "model")
+    shape = LlamaShape.from_hf_config(config)
+    modules = [["q_proj", "v_proj", "down_proj"], ["k_proj", "o_proj", "gate_proj", "up_proj"]]
+    adapters: list[LoRARequest | None] = [None]
+    for index, (rank, names) in enumerate(zip([8, 16], modules, strict=True)):
+        folder = tmp_path / f"adapter-{index}"
+        random_adapter(folder, shape, names, rank=rank, alpha=2 * rank, seed=index, std=0.2)
+        adapters.append(LoRARequest(f"adapter-{index}", index + 1, str(folder)))
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=2, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(model),
+            device=device.type,
+            dtype="float32",
+            attention_backend=backend,
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=16,
+            max_model_len=64,
+            num_kv_blocks=8,
+        )
+        prompts = ["The capital of France is"] * len(adapters)
+        generated = llm.generate(prompts, params, lora_request=adapters)
+        outputs[backend] = [output.outputs[0] for output in generated]
+    first_logprobs = []
+    for expected, actual in zip(outputs["torch"], outputs["triton"], strict=True):
+        assert actual.token_ids == expected.token_ids
+        assert expected.logprobs is not None and actual.logprobs is not None
+        for token, expected_top, actual_top in zip(
+            expected.token_ids, expected.logprobs, actual.logprobs, strict=True
+        ):
+            assert actual_top[token] == pytest.approx(expected_top[token], abs=1e-4)
+        first_logprobs.append(expected.logprobs[0][expected.token_ids[0]])
+    assert len({round(logprob, 3) for logprob in first_logprobs}) == len(adapters)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from llmpool.engine.attention import Backend
 from llmpool.engine.kernels.kv_write import write_kv
+from llmpool.engine.kernels.lora import lora_add, lora_plan
 from llmpool.engine.kernels.paged_attention import paged_attention, plan
 from llmpool.engine.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from llmpool.engine.kernels.rotary import rotary_embedding
-from llmpool.engine.lora.ops import torch_lora_add, torch_lora_plan
 
 TRITON = Backend(
     name="triton",
@@ -17,6 +17,6 @@ TRITON = Backend(
     rms_norm=rms_norm,
     fused_add_rms_norm=fused_add_rms_norm,
     rotary_embedding=rotary_embedding,
-    lora_plan=torch_lora_plan,
-    lora_add=torch_lora_add,
+    lora_plan=lora_plan,
+    lora_add=lora_add,
 )

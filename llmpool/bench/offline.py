@@ -17,7 +17,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from llmpool.engine import LLM, SamplingParams, model_source
+from llmpool.engine.lora import LoRARequest
 from llmpool.engine.model_runner import StepTimings
 
 logger = logging.getLogger(__name__)
@@ -107,14 +108,19 @@ def run_hf(
     return workload.requested_tokens / (time.perf_counter() - started)
 
 
-def run_llmpool(llm: LLM, workload: Workload) -> LlmpoolRun:
+def run_llmpool(
+    llm: LLM,
+    workload: Workload,
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+) -> LlmpoolRun:
+    """The workload in one ``generate``; ``lora_request`` as ``LLM.generate`` takes it."""
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
     ]
     llm.engine.runner.timings = StepTimings()
     before = llm.stats()
     started = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params)
+    outputs = llm.generate(workload.prompts, params, lora_request=lora_request)
     elapsed = time.perf_counter() - started
     after = llm.stats()
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)

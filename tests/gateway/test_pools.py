@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from llmpool.gateway.load import LoadTracker
+from llmpool.gateway.load import LoadTracker, fingerprint_adapters
 from llmpool.gateway.pools import PoolTable, Replica, pool_from_object
 from llmpool.load import parse_engine_gauges
 from llmpool.operator import naming
@@ -136,3 +137,56 @@ def test_held_requests_are_counted_per_pool_and_replicas_forgotten_once_idle() -
     tracker.end(b)
     tracker.forget_except([a])
     assert tracker.replicas().keys() == {a.url}
+
+
+def test_adapters_and_their_drift_from_the_pool_object() -> None:
+    """An ``adapters.<name>`` drift entry takes that adapter off its pod, not the pod itself."""
+    obj = example_pool(
+        "smollm2-interactive.yaml",
+        pinnedDigest=DIGEST,
+        drift=[
+            {"pod": "smollm2-chat-x", "field": "chatTemplateSha256"},
+            {"pod": "smollm2-chat-y", "field": "adapters.sql", "expected": "sha256:5"},
+        ],
+        **READY,
+    )
+    obj["spec"]["adapters"] = [
+        {"name": "sql", "source": "file:///adapters/sql", "revision": "sha256:5"},
+        {"name": "poet", "source": "pvc://adapters/poet", "revision": "sha256:6"},
+    ]
+    pool = pool_from_object(obj)
+    assert pool.adapters == {"sql": "sha256:5", "poet": "sha256:6"}
+    assert pool.drifted == {"smollm2-chat-x"}
+    assert pool.adapter_drift == {("smollm2-chat-y", "sql")}
+    plain = pool_from_object(example_pool("smollm2-interactive.yaml", **READY))
+    assert (plain.adapters, plain.adapter_drift) == ({}, frozenset())
+
+
+def test_fingerprint_adapters() -> None:
+    fingerprint = {
+        "digest": DIGEST,
+        "lora": {"maxLoras": 4, "maxLoraRank": 16},
+        "adapters": [
+            {"name": "sql", "digest": "sha256:5", "slot": 0, "rank": 8},
+            {"name": "broken"},  # no digest: not counted as loaded
+        ],
+        "adapterFailures": [{"name": "poet", "digest": "sha256:7", "code": "revision_mismatch"}],
+    }
+    assert fingerprint_adapters(fingerprint) == {"sql": "sha256:5"}
+    assert fingerprint_adapters({"digest": DIGEST, "lora": None}) == {}  # LoRA off
+
+
+async def test_a_fingerprint_change_wakes_whoever_waits_for_one() -> None:
+    tracker = LoadTracker()
+    replica = Replica("pod-a", "http://10.1.0.5:8000")
+    assert tracker.get(replica).adapters is None  # not scraped: nothing known to be loaded
+    waiting = asyncio.ensure_future(tracker.wait_for_fingerprints())
+    tracker.record_fingerprint(replica, DIGEST, {})
+    await asyncio.wait_for(waiting, 1)
+    waiting = asyncio.ensure_future(tracker.wait_for_fingerprints())
+    tracker.record_fingerprint(replica, DIGEST, {})  # the same again: no change
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    tracker.record_fingerprint(replica, DIGEST, {"sql": "sha256:5"})
+    await asyncio.wait_for(waiting, 1)
+    assert tracker.get(replica).adapters == {"sql": "sha256:5"}

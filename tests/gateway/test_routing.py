@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -227,3 +228,106 @@ def test_an_unknown_priority_is_a_400() -> None:
         routing.requested_class("urgent", None)
     assert error.value.status == 400
     assert "interactive, batch" in str(error.value)
+
+
+# --- adapters ---------------------------------------------------------------------------------
+
+REVISION = "sha256:" + "5" * 64
+OTHER_REVISION = "sha256:" + "6" * 64
+
+
+def with_adapters(
+    base: Pool, adapter_drift: frozenset[tuple[str, str]] = frozenset(), **adapters: str
+) -> Pool:
+    return dataclasses.replace(base, adapters=adapters, adapter_drift=adapter_drift)
+
+
+def test_an_adapter_resolves_after_served_names_bare_or_qualified() -> None:
+    chat = with_adapters(pool("chat"), sql=REVISION)
+    batch = with_adapters(pool("batch", priority_class="batch"), sql=REVISION)
+    assert routing.resolve([chat, batch], "smollm2") == ([chat, batch], None)
+    assert routing.resolve([chat, batch], "sql") == ([chat, batch], "sql")
+    assert routing.resolve([chat, batch], "ns/sql") == ([chat, batch], "sql")  # sent bare
+    # A served name wins over an adapter of the same name in another pool.
+    named_sql = dataclasses.replace(pool("other"), served_name="sql")
+    assert routing.resolve([chat, named_sql], "sql") == ([named_sql], None)
+    with pytest.raises(RoutingError) as missing:
+        routing.resolve([chat], "poet")
+    assert (missing.value.status, missing.value.code) == (404, routing.MODEL_NOT_FOUND)
+    assert "smollm2, sql" in str(missing.value)
+
+
+def test_an_adapter_in_two_namespaces_is_ambiguous_unless_qualified() -> None:
+    ours = with_adapters(pool("chat"), sql=REVISION)
+    theirs = dataclasses.replace(ours, namespace="other")
+    with pytest.raises(RoutingError) as ambiguous:
+        routing.resolve([ours, theirs], "sql")
+    assert (ambiguous.value.status, ambiguous.value.code) == (400, routing.MODEL_AMBIGUOUS)
+    assert "ns/sql, other/sql" in str(ambiguous.value)
+    assert routing.resolve([ours, theirs], "other/sql") == ([theirs], "sql")
+
+
+def test_models_lists_adapters_with_their_parent() -> None:
+    chat = with_adapters(pool("chat"), sql=REVISION, poet=REVISION)
+    elsewhere = dataclasses.replace(
+        with_adapters(pool("x"), sql=REVISION), namespace="other", served_name="llama"
+    )
+    hidden = dataclasses.replace(with_adapters(pool("y"), lone=REVISION), ready=False)
+    assert routing.adapter_ids([chat]) == {"poet": "smollm2", "sql": "smollm2"}
+    assert routing.adapter_ids([chat, elsewhere, hidden]) == {
+        "poet": "smollm2",
+        "ns/sql": "smollm2",
+        "other/sql": "llama",
+    }
+    assert routing.model_ids([chat, elsewhere, hidden]) == ["llama", "smollm2"]
+
+
+def resident(adapters: list[dict[str, str] | None]) -> list[Candidate]:
+    return [Candidate(r, 0.0, DIGEST, a) for r, a in zip(REPLICAS, adapters, strict=False)]
+
+
+def test_an_adapter_goes_only_where_it_is_loaded_at_the_pinned_revision() -> None:
+    chat = with_adapters(pool(), sql=REVISION)
+    candidates = resident(
+        [{"sql": REVISION}, {"sql": OTHER_REVISION}, None, {"sql": REVISION, "poet": REVISION}]
+    )
+    healthy = routing.routable(chat, candidates, "sql")
+    assert [c.replica.name for c in healthy] == ["chat-0", "chat-3"]
+    assert len(routing.routable(chat, candidates)) == 4  # the base model: every replica
+
+
+def test_an_adapter_in_drift_keeps_its_replica_for_the_rest() -> None:
+    chat = with_adapters(
+        pool(), adapter_drift=frozenset({("chat-0", "sql")}), sql=REVISION, poet=REVISION
+    )
+    both = {"sql": REVISION, "poet": REVISION}
+    candidates = resident([both, both])
+    assert [c.replica.name for c in routing.routable(chat, candidates, "sql")] == ["chat-1"]
+    assert len(routing.routable(chat, candidates, "poet")) == 2
+    assert len(routing.routable(chat, candidates)) == 2
+
+
+def test_no_replica_with_the_adapter_is_a_held_503() -> None:
+    chat = with_adapters(pool(), sql=REVISION)
+    for candidates in (resident([None, {}]), resident([{"sql": OTHER_REVISION}])):
+        with pytest.raises(RoutingError) as error:
+            routing.routable(chat, candidates, "sql")
+        assert (error.value.status, error.value.code) == (503, routing.ADAPTER_NOT_RESIDENT)
+        assert error.value.code in routing.HELD_CODES
+    # An adapter gone from the pool's spec while a request waited: nowhere, however loaded.
+    with pytest.raises(RoutingError):
+        routing.routable(pool(), resident([{"sql": REVISION}]), "sql")
+
+
+def test_the_affinity_key_of_an_adapter_includes_its_name() -> None:
+    prefix = key("You are a SQL assistant. " * 10)
+    assert routing.affinity_key(prefix, None) == prefix  # the base model's keys are unchanged
+    sql, poet = routing.affinity_key(prefix, "sql"), routing.affinity_key(prefix, "poet")
+    assert len({prefix, sql, poet}) == 3
+    assert routing.affinity_key(prefix, "sql") == sql
+    # One shared system prompt: different adapters spread over the replicas.
+    firsts = {
+        routing.rank(routing.affinity_key(prefix, f"adapter-{i}"), idle())[0].replica
+        for i in range(20)
+    }
+    assert len(firsts) > 1

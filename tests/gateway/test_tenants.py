@@ -160,13 +160,13 @@ def test_names_resolve_within_scope_and_ambiguity_is_never_a_sort_order_winner()
     chat_a, batch_a = pool("aaa", "chat", "m"), pool("aaa", "batch", "m", priority_class="batch")
     chat_b = pool("bbb", "chat", "m")
     only_b = pool("bbb", "secret", "s", ready=False, scales_from_zero=True)
-    assert routing.pools_named([chat_a, batch_a], "m") == [chat_a, batch_a]  # one namespace
+    assert routing.resolve([chat_a, batch_a], "m") == ([chat_a, batch_a], None)  # one namespace
     with pytest.raises(routing.RoutingError) as error:
-        routing.pools_named([chat_a, chat_b], "m")
+        routing.resolve([chat_a, chat_b], "m")
     assert (error.value.status, error.value.code) == (400, routing.MODEL_AMBIGUOUS)
     assert "aaa/m" in str(error.value) and "bbb/m" in str(error.value)
-    assert routing.pools_named([chat_a, chat_b], "bbb/m") == [chat_b]
+    assert routing.resolve([chat_a, chat_b], "bbb/m") == ([chat_b], None)
     assert routing.model_ids([chat_a, batch_a, chat_b, only_b]) == ["aaa/m", "bbb/m", "s"]
     with pytest.raises(routing.RoutingError) as error:
-        routing.pools_named([chat_a], "bbb/m")
+        routing.resolve([chat_a], "bbb/m")
     assert (error.value.status, error.value.code) == (404, routing.MODEL_NOT_FOUND)

@@ -1,0 +1,125 @@
+"""Requests by adapter name through the gateway app, in process: the replicas are an httpx mock
+transport and their fingerprints are recorded by hand (no scrape, no socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from llmpool.gateway import routing
+from llmpool.gateway.app import Gateway, GatewaySettings, build_app
+from llmpool.gateway.pools import Pool, PoolTable
+
+NAMESPACE = "team-a"
+MODEL = "smollm2"
+REVISION = "sha256:" + "5" * 64
+OTHER_REVISION = "sha256:" + "6" * 64
+REPLICAS = {"chat-0": "10.0.0.1", "chat-1": "10.0.0.2"}
+HOLD_TIMEOUT = 10.0
+
+
+class Replicas:
+    """The replicas behind the mock transport: what each was sent (host -> bodies)."""
+
+    def __init__(self) -> None:
+        self.bodies: dict[str, list[dict[str, Any]]] = {host: [] for host in REPLICAS.values()}
+
+    def answer(self, request: httpx.Request) -> httpx.Response:
+        self.bodies[request.url.host].append(json.loads(request.content))
+        # A stream, as a real connection gives it: the gateway relays it chunk by chunk.
+        return httpx.Response(
+            200,
+            headers={"content-type": "application/json"},
+            stream=httpx.ByteStream(b'{"choices": [{"index": 0, "text": "ok"}]}'),
+        )
+
+
+@pytest.fixture
+async def gateway(
+    make_slice: Callable[..., dict[str, Any]],
+) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient, Replicas]]:
+    pool = Pool(
+        NAMESPACE, "chat", MODEL, "interactive", True, None, frozenset(),
+        adapters={"sql": REVISION, "poet": REVISION},
+    )  # fmt: skip
+    table = PoolTable()
+    table.set_pool(pool)
+    endpoints = [(name, address, True) for name, address in REPLICAS.items()]
+    table.set_slice(make_slice("chat", "s1", endpoints, namespace=NAMESPACE))
+    table.synced = True
+    app = build_app(table, GatewaySettings(hold_timeout=HOLD_TIMEOUT))
+    gateway: Gateway = app.state.gateway
+    replicas = Replicas()
+    await gateway.client.aclose()
+    gateway.client = httpx.AsyncClient(transport=httpx.MockTransport(replicas.answer))
+    transport = httpx.ASGITransport(app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        yield gateway, client, replicas
+    await gateway.client.aclose()
+
+
+def loaded(gateway: Gateway, pod: str, adapters: dict[str, str]) -> None:
+    """What a scrape of ``pod``'s /fingerprint records."""
+    replica = next(r for r in gateway.table.all_replicas() if r.name == pod)
+    gateway.tracker.record_fingerprint(replica, None, adapters)
+
+
+def completion(model: str, prompt: str = "SELECT") -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": 4}
+
+
+async def test_models_lists_the_adapters_with_their_parent(gateway) -> None:
+    _, client, _ = gateway
+    data = (await client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m.get("parent")) for m in data] == [
+        (MODEL, None),
+        ("poet", MODEL),
+        ("sql", MODEL),
+    ]
+
+
+async def test_an_adapter_goes_to_the_replica_with_its_pinned_revision_by_its_bare_name(
+    gateway,
+) -> None:
+    gw, client, replicas = gateway
+    loaded(gw, "chat-0", {"sql": OTHER_REVISION})  # other files under the name: not the pin
+    loaded(gw, "chat-1", {"sql": REVISION})
+    for i, model in enumerate(["sql", f"{NAMESPACE}/sql"] * 4):
+        response = await client.post("/v1/completions", json=completion(model, f"Query {i}"))
+        assert response.status_code == 200
+    assert replicas.bodies["10.0.0.1"] == []
+    assert [body["model"] for body in replicas.bodies["10.0.0.2"]] == ["sql"] * 8
+    for i in range(12):  # the base model still goes to both
+        response = await client.post("/v1/completions", json=completion(MODEL, f"Base {i}"))
+        assert response.status_code == 200
+    assert {body["model"] for body in replicas.bodies["10.0.0.1"]} == {MODEL}
+
+
+async def test_a_request_for_an_adapter_not_loaded_yet_is_held_until_it_is(gateway) -> None:
+    gw, client, replicas = gateway
+    request = asyncio.ensure_future(client.post("/v1/completions", json=completion("poet")))
+    await asyncio.sleep(0.1)
+    assert not request.done()
+    assert gw.tracker.held_count(gw.table.pools()[0]) == 1
+    loaded(gw, "chat-0", {"poet": REVISION})
+    # Woken by the fingerprint, long before the hold would have ended.
+    response = await asyncio.wait_for(request, 2)
+    assert response.status_code == 200
+    assert [body["model"] for body in replicas.bodies["10.0.0.1"]] == ["poet"]
+
+
+async def test_an_adapter_never_loaded_is_a_503_after_the_hold(gateway) -> None:
+    gw, client, replicas = gateway
+    gw.settings = dataclasses.replace(gw.settings, hold_timeout=0.3)
+    loaded(gw, "chat-0", {"poet": OTHER_REVISION})
+    response = await client.post("/v1/completions", json=completion("poet"))
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == routing.ADAPTER_NOT_RESIDENT
+    assert "retry-after" in response.headers
+    assert replicas.bodies == {host: [] for host in REPLICAS.values()}
