@@ -135,6 +135,7 @@ def lora_case() -> Callable[..., LoraCase]:
             row_slots[row_of[place]] = slot
         sizes = torch.tensor([rows for _, rows in LORA_GROUPS])
         batch = LoraBatch(
+            token_slots=torch.tensor(row_slots, device=device),
             sorted_tokens=torch.tensor(row_of[: len(slots)], device=device),
             group_slots=torch.tensor([slot for slot, _ in LORA_GROUPS], device=device),
             group_starts=torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]).to(device),
