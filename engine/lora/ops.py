@@ -1,14 +1,13 @@
 """Applying adapters to a flat batch: each row adds ``scaling · B(A·x)`` of its adapter's slot.
 
 The rows of one step are grouped by slot once (:class:`LoraBatch`, built by the model runner);
-rows of the base model are in no group and get nothing. The torch path multiplies every row by
-all slots' A in one GEMM, keeps each row's own slot (a one-hot mask) and multiplies that by all
-slots' B in one GEMM per part: a few GEMMs per module whatever the adapters in the step, which
-read each slot's weights once and go through the model's own GEMM choice (``linear``). What it
-computes for other slots is small beside the base model's GEMMs at LoRA ranks; gathering each
-group's weights or scattering its rows back cost far more on CPU (bf16 ``index_add_`` alone was
-4 ms a call). The Triton path (``kernels/lora.py``) reads the groups as they are. PEFT's order is
-kept: the scale multiplies B's output.
+rows of the base model are in no group and get nothing. On decode steps the torch path multiplies
+every row by all slots' A in one GEMM, keeps each row's own slot (a one-hot mask) and multiplies
+that by all slots' B in one GEMM per part: a few GEMMs per module whatever the adapters in the
+step, reading each slot's weights once through the model's own GEMM choice (``linear``); what it
+computes for other slots is small beside the base model's GEMMs at decode sizes. Gathering each
+group's weights or scattering rows back with ``index_add_`` cost far more on CPU (bf16
+``index_add_`` alone took 4 ms a call). Steps with long groups (prefill) go group by group. The Triton path (``kernels/lora.py``) reads the groups as they are.
 """
 
 from __future__ import annotations
@@ -38,17 +37,33 @@ class LoraBatch:
     max_group_len: int
 
 
+# From this many rows in the step's largest group (prefill chunks), the torch path multiplies
+# each group by its own slot's weights: the GEMMs against every slot would waste (S - 1)/S of
+# their work on long prompts, while a decode step's few rows per adapter are cheaper in the
+# few GEMMs against all slots than in a handful of small GEMMs per adapter.
+GROUPED_MIN_ROWS = 16
+
+
 @dataclass(frozen=True)
 class TorchLoraPlan:
-    own_slot: torch.Tensor  # [T, S, 1]: 1 at each row's slot, 0 elsewhere and on base rows
     row_scale: torch.Tensor  # float32 [T, 1]: the scaling of each row's adapter, 0 on base rows
+    sorted_tokens: torch.Tensor  # as LoraBatch's
+    # Against every slot: [T, S, 1, 1], each row's scale at its slot, 0 elsewhere and on base rows.
+    own_slot: torch.Tensor | None
+    # Group by group: (slot, start, end) of each group in sorted_tokens.
+    groups: tuple[tuple[int, int, int], ...] | None
 
 
 def torch_lora_plan(batch: LoraBatch, scaling: torch.Tensor) -> TorchLoraPlan:
     slots = batch.token_slots
+    row_scale = torch.where(slots >= 0, scaling[slots.clamp(min=0)], 0.0).unsqueeze(-1)
+    if batch.max_group_len >= GROUPED_MIN_ROWS:
+        starts = batch.group_starts.tolist()
+        groups = tuple(zip(batch.group_slots.tolist(), starts[:-1], starts[1:], strict=True))
+        return TorchLoraPlan(row_scale, batch.sorted_tokens, None, groups)
     own_slot = slots[:, None] == torch.arange(scaling.numel(), device=slots.device)[None, :]
-    row_scale = torch.where(slots >= 0, scaling[slots.clamp(min=0)], 0.0)
-    return TorchLoraPlan(own_slot.unsqueeze(-1), row_scale.unsqueeze(-1))
+    own_slot = (own_slot * row_scale)[:, :, None, None]
+    return TorchLoraPlan(row_scale, batch.sorted_tokens, own_slot, None)
 
 
 def torch_lora_add(
@@ -63,16 +78,47 @@ def torch_lora_add(
     for every row ``t`` with an adapter; ``a`` is ``[S, len(b) · R, in]``, each ``b[j]``
     ``[S, out_j, R]`` (the manager lays it out as ``[out_j, S, R]`` in memory, so that it is one
     ``[out_j, S · R]`` weight without a copy)."""
+    if plan.groups is not None:
+        _add_by_group(out, x, a, b, offsets, plan, plan.groups)
+        return
+    assert plan.own_slot is not None
     num_slots, parts_rank, in_features = a.shape
-    num_rows, rank = x.shape[0], parts_rank // len(b)
+    num_rows, num_parts = x.shape[0], len(b)
+    rank = parts_rank // num_parts
     shrunk = linear(x, a.view(num_slots * parts_rank, in_features))
-    shrunk = shrunk.view(num_rows, num_slots, len(b), rank)
-    own_slot = plan.own_slot.to(x.dtype)
+    # Each row keeps its own slot's values, times its scale (exact for the power-of-two
+    # alpha/r of usual adapters; otherwise it differs from scaling B's output by rounding).
+    mine = shrunk.view(num_rows, num_slots, num_parts, rank) * plan.own_slot.to(x.dtype)
     for j, (b_j, offset) in enumerate(zip(b, offsets, strict=True)):
-        mine = (shrunk[:, :, j, :] * own_slot).view(num_rows, num_slots * rank)
         weight = b_j.permute(1, 0, 2).reshape(b_j.shape[1], num_slots * rank)
-        delta = linear(mine, weight) * plan.row_scale.to(out.dtype)
-        out[:, offset : offset + b_j.shape[1]] += delta
+        part = mine[:, :, j, :].reshape(num_rows, num_slots * rank)
+        out[:, offset : offset + b_j.shape[1]] += linear(part, weight)
+
+
+def _add_by_group(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    plan: TorchLoraPlan,
+    groups: tuple[tuple[int, int, int], ...],
+) -> None:
+    rows = plan.sorted_tokens
+    grouped_x = x.index_select(0, rows)
+    scale = plan.row_scale.index_select(0, rows).to(out.dtype)
+    rank = a.shape[1] // len(b)
+    shrunk = x.new_empty(rows.numel(), a.shape[1])
+    for slot, start, end in groups:
+        torch.mm(grouped_x[start:end], a[slot].t(), out=shrunk[start:end])
+    for j, (b_j, offset) in enumerate(zip(b, offsets, strict=True)):
+        delta = out.new_empty(rows.numel(), b_j.shape[1])
+        for slot, start, end in groups:
+            part = shrunk[start:end, j * rank : (j + 1) * rank]
+            torch.mm(part, b_j[slot].t(), out=delta[start:end])
+        unsorted = out.new_zeros(out.shape[0], b_j.shape[1])
+        unsorted.index_copy_(0, rows, delta.mul_(scale))
+        out[:, offset : offset + b_j.shape[1]] += unsorted
 
 
 @dataclass(frozen=True)
