@@ -381,14 +381,11 @@ class EngineCore:
             raise
 
     def install_adapter(self, weights: AdapterWeights, replace: bool = False) -> LoadedAdapter:
-        """Put a prepared adapter in a slot (the engine thread, between steps)."""
+        """Put a prepared adapter in a slot (the engine thread, between steps). A conflict (the
+        name holds other files, no free slot) is not recorded as a failure of the adapter."""
         if self.lora is None:
             raise ValueError("LoRA is not enabled on this engine (--enable-lora)")
-        try:
-            return self.lora.install(weights, replace)
-        except AdapterError as error:
-            self.lora.record_failure(weights.name, weights.path, weights.revision, error)
-            raise
+        return self.lora.install(weights, replace)
 
     def load_adapter(self, name: str, path: str, revision: str | None = None) -> LoadedAdapter:
         return self.install_adapter(self.prepare_adapter(name, path, revision))

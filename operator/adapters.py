@@ -28,10 +28,6 @@ LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 FIELD_PREFIX = "adapters."
 MAX_ERROR_CHARS = 200
-# Refusals of a load that say "not now" rather than "not these files" (HTTP 409): all slots
-# taken (an unloaded adapter's slot frees once its last request ends), or the name loaded with
-# other files. Loaded again at the next check, and never drift.
-CONFLICT_CODES = frozenset({"adapter_exists", "lora_slots_full"})
 
 ActionKind = Literal["load", "reload", "unload"]
 
@@ -87,14 +83,11 @@ class Replica:
         return {f["name"]: f for f in self.body.get("adapterFailures") or []}
 
     def failed(self, adapter: AdapterSpec) -> Mapping[str, Any] | None:
-        """The replica's refusal of exactly this adapter's name and revision, if any; a
-        conflict with its slot table (full, or the name taken) is not one: the load waits."""
+        """The replica's refusal of exactly this adapter's name and revision, if any. (A load
+        refused for the slot table, full or the name taken, is a 409 the engine does not record:
+        it is tried again at the next check, and is never drift.)"""
         failure = self.failures().get(adapter.name)
-        if (
-            failure is None
-            or failure.get("revision") != adapter.revision
-            or failure.get("code") in CONFLICT_CODES
-        ):
+        if failure is None or failure.get("revision") != adapter.revision:
             return None
         return failure
 

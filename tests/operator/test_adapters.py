@@ -171,10 +171,6 @@ def test_loading_and_swapping_are_not_drift():
     stale = [replica("p1", failures=[failure("a", REV_A)])]
     assert classify_adapter_drift([swapped], stale) == []
     assert kinds(plan([swapped], stale)) == [("p1", "load", "a")]
-    # Slots still held by an unloaded adapter's last requests: loaded again at the next check.
-    full = [replica("p1", failures=[failure("a", REV_A, digest=REV_A, code="lora_slots_full")])]
-    assert classify_adapter_drift([A], full) == []
-    assert kinds(plan([A], full)) == [("p1", "load", "a")]
     # An adapter being unloaded is not drift either.
     assert classify_adapter_drift([], [replica("p1", [("a", REV_A)])]) == []
 
