@@ -120,7 +120,12 @@ def read_adapter(
         if not (folder / file).is_file():
             detail = " (.bin adapters are not read: pickle)" if file == WEIGHTS_FILE else ""
             raise AdapterError("invalid_adapter", f"adapter {name!r}: no {file} in {path}{detail}")
-    digest = adapter_digest(folder)
+    try:
+        digest = adapter_digest(folder)
+    except OSError as error:
+        raise AdapterError(
+            "invalid_adapter", f"adapter {name!r}: cannot read {path} ({error.strerror})"
+        ) from None
     if revision is not None and revision != digest:
         raise AdapterError(
             "revision_mismatch",
