@@ -49,6 +49,14 @@ def weights_digest(folder: Path) -> str:
     return files_digest([*folder.glob("*.safetensors"), *folder.glob("config.json")], folder)
 
 
+# A PEFT LoRA adapter's folder: its revision covers exactly these (engine/lora/adapter.py).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adapter_digest(folder: Path) -> str:
+    return files_digest([folder / name for name in ADAPTER_FILES], folder)
+
+
 def tokenizer_digest(folder: Path) -> str:
     return files_digest(
         [folder / name for name in TOKENIZER_FILES if (folder / name).exists()], folder

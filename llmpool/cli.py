@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "operator": ("llmpool.operator.main", "run the LLMPool Kubernetes operator"),
     "gateway": ("llmpool.gateway.cli", "one OpenAI endpoint for every pool, routed by cache"),
     "plan": ("llmpool.plan", "weight and KV memory of a deployment, and how many sequences fit"),
+    "digest": ("llmpool.digest", "the sha256 revision of a model or LoRA adapter folder, to pin"),
 }
 
 

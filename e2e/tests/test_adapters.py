@@ -8,7 +8,9 @@ replicas whose ``/fingerprint`` shows the pinned files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +45,7 @@ POOL = "smollm2-chat"
 MODEL = "smollm2"
 ADAPTER_ROOT = Path("/var/lib/llmpool-e2e/adapters")
 DRIFT_INTERVAL_SECONDS = 3
+STD = 0.2  # large enough that each adapter visibly changes greedy continuations
 MODULES = {"a": ["q_proj", "v_proj"], "b": ["o_proj", "down_proj"], "c": ["gate_proj", "up_proj"]}
 
 
@@ -59,7 +62,7 @@ def adapters(namespace: str) -> Iterator[tuple[Path, dict[str, str]]]:
     shape = LlamaShape.from_hf_config(AutoConfig.from_pretrained(model_source.resolve(None).folder))
     root = ADAPTER_ROOT / namespace
     digests = {
-        name: random_adapter(root / name, shape, modules, rank=8, alpha=16, seed=seed)
+        name: random_adapter(root / name, shape, modules, rank=8, alpha=16, seed=seed, std=STD)
         for seed, (name, modules) in enumerate(MODULES.items())
     }
     for parent in (ADAPTER_ROOT.parent, ADAPTER_ROOT):
@@ -70,15 +73,24 @@ def adapters(namespace: str) -> Iterator[tuple[Path, dict[str, str]]]:
 
 
 @pytest.fixture
-def operator(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+def keyed(cluster: ClusterHandle, tmp_path: Path) -> ClusterHandle:
+    """The cluster's environment with a fleet key, as the chart gives the operator and the
+    gateway: engines answer only with their pool's key."""
+    key = tmp_path / "fleet-key"
+    key.write_text(secrets.token_hex(32))
+    return dataclasses.replace(cluster, env={**cluster.env, "LLMPOOL_FLEET_KEY_FILE": str(key)})
+
+
+@pytest.fixture
+def operator(keyed: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     flags = ("--allow-host-path-models", "--allowed-host-path-prefix", str(ADAPTER_ROOT))
-    with namespace_operator(cluster, namespace, tmp_path / "operator.log", *flags) as process:
+    with namespace_operator(keyed, namespace, tmp_path / "operator.log", *flags) as process:
         yield process
 
 
 @pytest.fixture
-def gateway(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[GatewayProcess]:
-    process = GatewayProcess(cluster, namespace, tmp_path / "gateway.log")
+def gateway(keyed: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[GatewayProcess]:
+    process = GatewayProcess(keyed, namespace, tmp_path / "gateway.log")
     yield process
     process.stop()
 
@@ -105,7 +117,7 @@ def pods_by_uid(cluster: ClusterHandle, namespace: str) -> dict[str, tuple[str, 
 def complete(gateway: GatewayProcess, model: str, prompt: str) -> tuple[int, dict[str, Any]]:
     response = httpx.post(
         f"{gateway.url}/v1/completions",
-        json={"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0},
+        json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0},
         timeout=120,
     )
     return response.status_code, response.json()
@@ -164,7 +176,7 @@ def test_pinned_adapters_load_live_drift_and_route(
         shape = LlamaShape.from_hf_config(
             AutoConfig.from_pretrained(model_source.resolve(None).folder)
         )
-        random_adapter(root / "a", shape, MODULES["a"], rank=8, alpha=16, seed=99)
+        random_adapter(root / "a", shape, MODULES["a"], rank=8, alpha=16, seed=99, std=STD)
         readable(root / "a")
         before = {p["metadata"]["name"] for p in live_pods(cluster, namespace, POOL)}
         victim = sorted(before)[0]

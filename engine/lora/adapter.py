@@ -23,9 +23,7 @@ from llmpool.engine.lora import LORA_TARGETS
 if TYPE_CHECKING:
     from llmpool.engine.models.llama import LlamaShape
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+CONFIG_FILE, WEIGHTS_FILE = model_source.ADAPTER_FILES
 MAX_CONFIG_BYTES = 1 << 20
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT may keep ".default").
@@ -84,11 +82,6 @@ class AdapterWeights:
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
 
-def adapter_digest(folder: Path) -> str:
-    """sha256 over the config and the weights, like a base model's revision."""
-    return model_source.files_digest([folder / name for name in ADAPTER_FILES], folder)
-
-
 def module_dims(shape: LlamaShape, module: str) -> tuple[int, int]:
     """``(in_features, out_features)`` of a PEFT target module in the base model."""
     q_size = shape.num_heads * shape.head_dim
@@ -116,12 +109,12 @@ def read_adapter(
 ) -> AdapterWeights:
     """Read and check the adapter at ``path``; raises :class:`AdapterError` naming the fault."""
     folder = Path(path)
-    for file in ADAPTER_FILES:
+    for file in model_source.ADAPTER_FILES:
         if not (folder / file).is_file():
             detail = " (.bin adapters are not read: pickle)" if file == WEIGHTS_FILE else ""
             raise AdapterError("invalid_adapter", f"adapter {name!r}: no {file} in {path}{detail}")
     try:
-        digest = adapter_digest(folder)
+        digest = model_source.adapter_digest(folder)
     except OSError as error:
         raise AdapterError(
             "invalid_adapter", f"adapter {name!r}: cannot read {path} ({error.strerror})"
@@ -313,7 +306,7 @@ def write_adapter(
         **config,
     }
     (folder / CONFIG_FILE).write_text(json.dumps(document, indent=2))
-    return adapter_digest(folder)
+    return model_source.adapter_digest(folder)
 
 
 def random_adapter(

@@ -22,8 +22,8 @@ import uvicorn
 from llmpool import pinning
 from llmpool.engine.config import QUANTIZATIONS, EngineConfig
 from llmpool.engine.engine_core import EngineCore
-from llmpool.engine.lora.adapter import ADAPTER_FILES, AdapterError, adapter_digest
-from llmpool.engine.model_source import RevisionMismatchError
+from llmpool.engine.lora.adapter import AdapterError
+from llmpool.engine.model_source import ADAPTER_FILES, RevisionMismatchError, adapter_digest
 from llmpool.engine.server.app import ServerSettings, build_app
 from llmpool.engine.server.limits import DEFAULT_MAX_RESPONSE_TOKENS, STREAMED_RESPONSE_FACTOR
 from llmpool.engine.server.lora_routes import ADAPTER_NAME
