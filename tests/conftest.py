@@ -18,7 +18,18 @@ import pytest
 import torch
 
 from llmpool.engine import model_source
+from llmpool.engine.cpu_features import cpu_flags
+from llmpool.engine.cpu_kernels import AVX512_FLAGS
 from llmpool.engine.lora.ops import LoraBatch
+
+
+def needs_cpu(*flags: str) -> pytest.MarkDecorator:
+    """Skip where this CPU lacks ``flags`` (every AVX-512 flag of a C kernel's only build, plus
+    ``flags``): the skip CI allows, as machines differ. A CPU that has them runs the test, so a
+    kernel that fails to build there fails it."""
+    missing = sorted((AVX512_FLAGS | set(flags)) - cpu_flags())
+    return pytest.mark.skipif(bool(missing), reason=f"this CPU lacks {', '.join(missing)}")
+
 
 _PARAGRAPH = (
     "The history of computing is a story of abstraction layered on abstraction. Early machines "
@@ -121,11 +132,18 @@ LORA_BASE_ROWS = 7
 @pytest.fixture(scope="session")
 def lora_case() -> Callable[..., LoraCase]:
     """Builds a case with ``in_features`` 48 (not a multiple of a kernel's block), parts of
-    32, 16 and 16 outputs, and adapters of rank ``max_rank`` but the one in slot 2 (half)."""
+    32, 16 and 16 outputs unless told, and adapters of rank ``max_rank`` but the one in slot 2
+    (half)."""
 
-    def build(max_rank: int, dtype: torch.dtype, device: torch.device) -> LoraCase:
+    def build(
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        in_features: int = 48,
+        out_parts: tuple[int, ...] = (32, 16, 16),
+    ) -> LoraCase:
         generator = torch.Generator().manual_seed(max_rank)
-        num_slots, in_features, out_parts = 4, 48, [32, 16, 16]
+        num_slots = 4
         ranks = [max_rank, max_rank, max_rank // 2, max_rank]
         slots = [slot for slot, rows in LORA_GROUPS for _ in range(rows)]
         num_rows = len(slots) + LORA_BASE_ROWS

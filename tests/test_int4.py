@@ -24,6 +24,7 @@ from llmpool.engine.models.quantization import (
     int8_split_matmul,
     quantize_rows_int8,
 )
+from tests.conftest import needs_cpu
 
 # SmolLM2's layer shapes (out, in): qkv, o, gate_up, down.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -31,10 +32,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 # Rows on each side of INT8_KERNEL_MAX_ROWS and INT8_VNNI_MAX_ROWS: decode (a fused kernel) and
 # prefill (split int8).
 ROWS = [1, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, INT8_VNNI_MAX_ROWS + 1, 64]
-needs_vnni_kernels = pytest.mark.skipif(
-    not vnni_gemm.available(),
-    reason="the VNNI GEMM kernels need AVX-512 VNNI and VBMI and a C compiler",
-)
+needs_vnni_kernels = needs_cpu("avx512_vnni", "avx512vbmi")
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:

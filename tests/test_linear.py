@@ -12,12 +12,11 @@ from torch import nn
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.models import bf16_gemm, linear
+from tests.conftest import needs_cpu
 
 IN, OUT = 576, 320
 
-needs_kernel = pytest.mark.skipif(
-    not bf16_gemm.available(), reason="the bfloat16 GEMM kernel needs AVX-512 and a C compiler"
-)
+needs_kernel = needs_cpu()
 
 
 @pytest.fixture(autouse=True)

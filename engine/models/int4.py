@@ -11,11 +11,15 @@ perplexity 1.50x and greedy agreement 0.24 (tests/test_quantization.py's text an
 
 The codes are kept in the byte layout of ``torch.ops.aten._weight_int4pack_mm_for_cpu``, which
 :func:`pack_int4` writes with plain tensor ops (``_convert_weight_to_int4pack_for_cpu`` writes
-the same bytes, and a test checks that). :func:`dequantize_int4` reads that layout back, so
-devices without the kernel (CUDA, older torch) and the tests compute from the same bytes.
+the same bytes, and a test checks that). That layout follows the vector width torch's CPU
+kernels were dispatched for (:func:`pack_block_n`), so packed weights are made in the process
+that runs them, never stored. :func:`dequantize_int4` reads that layout back, so devices
+without the kernel (CUDA, older torch) and the tests compute from the same bytes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -23,10 +27,11 @@ from torch import nn
 from llmpool.engine.models import vnni_gemm
 
 INT4_GROUP_SIZE = 32
-# The CPU kernel's layout: output channels in blocks of 64; per block and input column k, byte j
-# holds channel j in its low nibble and channel 32 + j in its high nibble.
-PACK_BLOCK_N = 64
-_HALF_BLOCK = PACK_BLOCK_N // 2
+# The CPU kernel's layout: output channels in blocks of N (pack_block_n); per block and input
+# column k, byte j holds channel j in its low nibble and channel N/2 + j in its high nibble.
+# Output features are a multiple of the largest block, so that a layer packs on any CPU.
+PACK_BLOCK_SIZES = (64, 32)
+INT4_OUT_MULTIPLE = max(PACK_BLOCK_SIZES)
 INT4_MAX_CODE = 15
 INT4_MID_CODE = 8
 # Up to this many rows, int4 layers on CPUs with AVX-512 VNNI and VBMI run ``vnni_gemm``'s
@@ -39,10 +44,32 @@ def cpu_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+@functools.cache
+def pack_block_n() -> int:
+    """Output channels per block of torch's packed layout: 64 where its CPU kernels run with
+    AVX-512, 32 with AVX2 (``vec::Vectorized<float>::size() * 4``), found by packing a probe
+    with torch's own converter; 64 where torch has none (only this module reads the bytes)."""
+    converter = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+    if converter is None or not cpu_kernel_available():
+        return INT4_OUT_MULTIPLE
+    codes = torch.randint(
+        0,
+        INT4_MAX_CODE + 1,
+        (INT4_OUT_MULTIPLE, INT4_GROUP_SIZE),
+        generator=torch.Generator().manual_seed(0),
+        dtype=torch.int32,
+    )
+    converted = converter(codes, 1)
+    for block in PACK_BLOCK_SIZES:
+        if torch.equal(_pack(codes, block), converted):
+            return block
+    raise RuntimeError("torch's int4 CPU layout is none this module knows")
+
+
 def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
-    if out_features % PACK_BLOCK_N or in_features % group_size:
+    if out_features % INT4_OUT_MULTIPLE or in_features % group_size:
         raise ValueError(
-            f"int4 needs output features divisible by {PACK_BLOCK_N} and input features by"
+            f"int4 needs output features divisible by {INT4_OUT_MULTIPLE} and input features by"
             f" {group_size}; this layer is {out_features}x{in_features}"
         )
 
@@ -69,10 +96,14 @@ def quantize_groups_int4(
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` codes to the kernel's ``[N, K / 2]`` bytes (see ``PACK_BLOCK_N``)."""
+    """``[N, K]`` codes to the kernel's ``[N, K / 2]`` bytes (see :func:`pack_block_n`)."""
+    return _pack(codes, pack_block_n())
+
+
+def _pack(codes: torch.Tensor, block: int) -> torch.Tensor:
     out_features, in_features = codes.shape
-    blocks = codes.to(torch.uint8).reshape(-1, 2, _HALF_BLOCK, in_features)
-    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N / 64, 32, K]
+    blocks = codes.to(torch.uint8).reshape(-1, 2, block // 2, in_features)
+    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N / block, block / 2, K]
     return packed.transpose(1, 2).contiguous().reshape(out_features, in_features // 2)
 
 
@@ -80,12 +111,13 @@ def unpack_int4_transposed(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`pack_int4`, transposed: ``[K, N]`` codes (uint8).
 
     Transposed because that order needs one copy of the bytes: in the kernel's layout the
-    channels of one input column already sit together (64 per block).
+    channels of one input column already sit together (a block's worth).
     """
     out_features, half_in = packed.shape
     in_features = 2 * half_in
-    by_column = packed.reshape(-1, in_features, _HALF_BLOCK).transpose(0, 1)  # [K, N/64, 32]
-    codes = torch.stack([by_column & 0xF, by_column >> 4], dim=2)  # [K, N/64, 2, 32]
+    half_block = pack_block_n() // 2
+    by_column = packed.reshape(-1, in_features, half_block).transpose(0, 1)  # [K, N/block, b/2]
+    codes = torch.stack([by_column & 0xF, by_column >> 4], dim=2)  # [K, N/block, 2, b/2]
     return codes.reshape(in_features, out_features)
 
 
@@ -166,5 +198,6 @@ class Int4Linear(nn.Module):
         return (
             rows.shape[0] <= INT4_VNNI_MAX_ROWS
             and self.group_size == vnni_gemm.INT4_GROUP
+            and pack_block_n() == vnni_gemm.INT4_BLOCK
             and vnni_gemm.enabled()
         )
