@@ -11,6 +11,7 @@ import torch
 from llmpool.engine import ops
 from llmpool.engine.attention import cpu_backend, torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
+from llmpool.engine.lora.cpu_kernel import cpu_lora_add
 from llmpool.engine.lora.ops import torch_lora_add, torch_lora_plan
 from llmpool.engine.models.quantization import FP8_DTYPE
 
@@ -56,7 +57,7 @@ CPU = Backend(
     fused_add_rms_norm=ops.fused_add_rms_norm,
     rotary_embedding=ops.rotary_embedding,
     lora_plan=torch_lora_plan,
-    lora_add=torch_lora_add,
+    lora_add=cpu_lora_add,
 )
 
 

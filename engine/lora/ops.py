@@ -46,6 +46,7 @@ GROUPED_MIN_ROWS = 16
 
 @dataclass(frozen=True)
 class TorchLoraPlan:
+    token_slots: torch.Tensor  # as LoraBatch's
     row_scale: torch.Tensor  # float32 [T, 1]: the scaling of each row's adapter, 0 on base rows
     sorted_tokens: torch.Tensor  # as LoraBatch's
     # Against every slot: [T, S, 1, 1], each row's scale at its slot, 0 elsewhere and on base rows.
@@ -60,10 +61,10 @@ def torch_lora_plan(batch: LoraBatch, scaling: torch.Tensor) -> TorchLoraPlan:
     if batch.max_group_len >= GROUPED_MIN_ROWS:
         starts = batch.group_starts.tolist()
         groups = tuple(zip(batch.group_slots.tolist(), starts[:-1], starts[1:], strict=True))
-        return TorchLoraPlan(row_scale, batch.sorted_tokens, None, groups)
+        return TorchLoraPlan(slots, row_scale, batch.sorted_tokens, None, groups)
     own_slot = slots[:, None] == torch.arange(scaling.numel(), device=slots.device)[None, :]
     own_slot = (own_slot * row_scale)[:, :, None, None]
-    return TorchLoraPlan(row_scale, batch.sorted_tokens, own_slot, None)
+    return TorchLoraPlan(slots, row_scale, batch.sorted_tokens, own_slot, None)
 
 
 def torch_lora_add(

@@ -48,7 +48,7 @@ def server_over(tokenizer: HeldTokenizer) -> OpenAIServer:
     """The HTTP front of a server whose engine never started: a request that gets through
     preparation is answered 503, which is all these tests need."""
     core = SimpleNamespace(
-        tokenizer=tokenizer, max_model_len=64, structured_outputs=SimpleNamespace()
+        tokenizer=tokenizer, max_model_len=64, structured_outputs=SimpleNamespace(), lora=None
     )
     return OpenAIServer(core, ServerSettings(served_model_name=MODEL))  # type: ignore[arg-type]
 
