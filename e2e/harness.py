@@ -344,6 +344,26 @@ def live_pods(cluster: ClusterHandle, namespace: str, pool: str) -> list[dict[st
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
+def replace_first_pod(
+    cluster: ClusterHandle, namespace: str, pool: str
+) -> tuple[set[str], str, str]:
+    """Delete the first (by name) of a pool's pods and wait for a ready pod in its place:
+    (the pods before, the deleted one, its replacement)."""
+    before = {p["metadata"]["name"] for p in live_pods(cluster, namespace, pool)}
+    victim = sorted(before)[0]
+    cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
+
+    def replacement() -> str | None:
+        new = [
+            p["metadata"]["name"]
+            for p in live_pods(cluster, namespace, pool)
+            if p["metadata"]["name"] not in before and pod_ready(p)
+        ]
+        return new[0] if new else None
+
+    return before, victim, wait_for("the replacement pod", replacement, ENGINE_START_SECONDS)
+
+
 def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {
         key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key)

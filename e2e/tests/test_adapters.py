@@ -28,8 +28,8 @@ from harness import (
     grew,
     live_pods,
     namespace_operator,
-    pod_ready,
     pool_status,
+    replace_first_pod,
     run_client_job,
     wait_for,
 )
@@ -178,19 +178,7 @@ def test_pinned_adapters_load_live_drift_and_route(
         )
         random_adapter(root / "a", shape, MODULES["a"], rank=8, alpha=16, seed=99, std=STD)
         readable(root / "a")
-        before = {p["metadata"]["name"] for p in live_pods(cluster, namespace, POOL)}
-        victim = sorted(before)[0]
-        cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
-
-        def replacement() -> str | None:
-            new = [
-                p["metadata"]["name"]
-                for p in live_pods(cluster, namespace, POOL)
-                if p["metadata"]["name"] not in before and pod_ready(p)
-            ]
-            return new[0] if new else None
-
-        drifted = wait_for("the replacement pod", replacement, ENGINE_START_SECONDS)
+        before, victim, drifted = replace_first_pod(cluster, namespace, POOL)
     finally:
         operator.start()
     [healthy] = before - {victim}

@@ -34,6 +34,7 @@ from harness import (
     namespace_operator,
     pod_ready,
     pool_status,
+    replace_first_pod,
     wait_for,
     wait_pool_ready,
 )
@@ -268,19 +269,7 @@ def test_a_replica_made_to_drift_gets_nothing_until_healed(
             "patch", "configmap", naming.configmap_name(POOL), "-n", namespace, "--type=merge",
             "-p", json.dumps(patch),
         )  # fmt: skip
-        before = {p["metadata"]["name"] for p in live_pods(cluster, namespace, POOL)}
-        victim = sorted(before)[0]
-        cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
-
-        def replacement_ready() -> str | None:
-            new = [
-                p["metadata"]["name"]
-                for p in live_pods(cluster, namespace, POOL)
-                if p["metadata"]["name"] not in before and pod_ready(p)
-            ]
-            return new[0] if new else None
-
-        drifted = wait_for("the replacement pod", replacement_ready, ENGINE_START_SECONDS)
+        before, victim, drifted = replace_first_pod(cluster, namespace, POOL)
     finally:
         operator.start()
     [healthy] = before - {victim}

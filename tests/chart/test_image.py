@@ -262,3 +262,24 @@ def test_the_charts_image_is_the_one_built_and_loaded() -> None:
     assert f"IMAGE=${{IMAGE:-{default}}}" in build
     harness = (ROOT / "e2e" / "harness.py").read_text()
     assert f'os.environ.get("LLMPOOL_IMAGE", "{default}")' in harness
+
+
+def test_the_wheel_carries_every_c_kernel() -> None:
+    """The image installs llmpool's wheel, which holds only the package data pyproject.toml
+    names: a kernel source outside it is missing at run time (its build reads the file)."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {package: ROOT / folder for package, folder in setuptools["package-dir"].items()}
+
+    def folder_of(package: str) -> Path:
+        root = max((p for p in folders if package == p or package.startswith(p + ".")), key=len)
+        return folders[root].joinpath(*package.removeprefix(root).split(".")[1:])
+
+    packaged = {
+        path
+        for package, globs in setuptools["package-data"].items()
+        for pattern in globs
+        for path in folder_of(package).glob(pattern)
+    }
+    sources = {path for folder in folders.values() for path in folder.rglob("*.c")}
+    assert sources, "no C kernel found: the test reads the wrong folders"
+    assert sources <= packaged, sorted(str(p.relative_to(ROOT)) for p in sources - packaged)

@@ -175,3 +175,15 @@ def test_runs_as_10001_on_a_read_only_root_with_a_writable_tmp() -> None:
     script = "id -u; touch /opt/llmpool/written || echo root-read-only; touch /tmp/x && echo tmp-ok"
     result = docker("run", "--rm", *POD_LIKE, "--entrypoint", "sh", IMAGE, "-c", script)
     assert result.stdout.split() == ["10001", "root-read-only", "tmp-ok"], result.stderr
+
+
+def test_the_c_kernels_for_every_cpu_build_from_the_installed_wheel() -> None:
+    """Decode attention and LoRA's kernels (built for whatever the CPU has) compile in a pod-like
+    container from the sources the wheel installed, into the writable /tmp."""
+    script = (
+        "from llmpool.engine.attention import cpu_backend; from llmpool.engine.lora import"
+        " cpu_kernel; print(cpu_backend.available(), cpu_kernel.available())"
+    )
+    python = "/opt/llmpool/venv/bin/python3"
+    result = docker("run", "--rm", *POD_LIKE, "--entrypoint", python, IMAGE, "-c", script)
+    assert result.stdout.split() == ["True", "True"], result.stderr[-4000:]
