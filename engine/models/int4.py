@@ -19,8 +19,6 @@ without the kernel (CUDA, older torch) and the tests compute from the same bytes
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -44,11 +42,22 @@ def cpu_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-@functools.cache
+# Set by the first pack_block_n(): a settled module global, which a compiled forward reads
+# without tracing the probe (dynamo would trace into a cached function and break its graph).
+_pack_block_n: int | None = None
+
+
 def pack_block_n() -> int:
     """Output channels per block of torch's packed layout: 64 where its CPU kernels run with
     AVX-512, 32 with AVX2 (``vec::Vectorized<float>::size() * 4``), found by packing a probe
     with torch's own converter; 64 where torch has none (only this module reads the bytes)."""
+    global _pack_block_n
+    if _pack_block_n is None:
+        _pack_block_n = _probe_pack_block_n()
+    return _pack_block_n
+
+
+def _probe_pack_block_n() -> int:
     converter = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
     if converter is None or not cpu_kernel_available():
         return INT4_OUT_MULTIPLE
@@ -198,6 +207,6 @@ class Int4Linear(nn.Module):
         return (
             rows.shape[0] <= INT4_VNNI_MAX_ROWS
             and self.group_size == vnni_gemm.INT4_GROUP
-            and pack_block_n() == vnni_gemm.INT4_BLOCK
             and vnni_gemm.enabled()
+            and pack_block_n() == vnni_gemm.INT4_BLOCK
         )
