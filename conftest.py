@@ -19,9 +19,9 @@ ALLOWED_CI_SKIPS = {
     # which CI machines do not have; CI runs the same tests under the Triton interpreter on CPU,
     # and benchmarks/gpu_check.py runs them compiled on a GPU machine.
     "LLMPOOL_KERNEL_TEST_DEVICE=cuda but no GPU is visible": "a CUDA-only run on a CPU machine",
-    # The C kernels for AVX-512 (bfloat16 GEMM, VNNI, LoRA) have no other build, and CI machines
-    # differ: some have only AVX2. There the engine runs its torch paths, which the rest of the
-    # suite tests; tests.conftest.needs_cpu skips only on the missing flags, never on a failed build.
+    # The C kernels for AVX-512 (bfloat16 GEMM, VNNI) have no other build, and CI machines differ:
+    # some have only AVX2. There the engine runs its torch paths, which the rest of the suite
+    # tests; tests.conftest.needs_cpu skips only on the missing flags, never on a failed build.
     "this CPU lacks ": "a kernel for instructions this machine does not have",
 }
 

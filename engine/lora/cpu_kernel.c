@@ -10,9 +10,10 @@
  * (TILE outputs x every slot x R, contiguous in the [out, S, R] layout the manager keeps) stays
  * in L1 for all the rows.
  *
- * Portable C: the fixed-width lane loops of `dot` vectorize at whatever width the build's
- * instruction set has (AVX-512, AVX2), so one source serves every CPU. Work items are spread
- * over torch's OpenMP runtime, as in cpu_decode.c.
+ * One source for every CPU: `dots8` computes eight dot products with AVX2 intrinsics where the
+ * build has them (AVX2 and AVX-512 CPUs) and with `dot`, whose fixed-width lane loops vectorize
+ * at the build's width, elsewhere and for tails. Work items are spread over torch's OpenMP
+ * runtime, as in cpu_decode.c.
  */
 #include <stdint.h>
 #include <stdlib.h>
