@@ -41,6 +41,21 @@ def available() -> bool:
     return _library() is not None
 
 
+def unsupported(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor]
+) -> str | None:
+    """Why the kernel cannot take these operands, or None: it takes bfloat16 or float32 rows
+    (unit column stride) and the manager's layouts (``a`` contiguous, each ``b[j]``
+    ``[S, out_j, R]`` over ``[out_j, S, R]`` memory)."""
+    if out.dtype not in KERNELS or not all(t.dtype == out.dtype for t in (x, a, *b)):
+        return f"one dtype of {list(KERNELS)} for every operand"
+    if x.stride(1) != 1 or out.stride(1) != 1 or not a.is_contiguous():
+        return "unit column strides and a contiguous A stack"
+    if not all(b_j.permute(1, 0, 2).is_contiguous() for b_j in b):
+        return "each B stack laid out as [out, S, R]"
+    return None
+
+
 def kernel_lora_add(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -49,18 +64,25 @@ def kernel_lora_add(
     offsets: Sequence[int],
     plan: TorchLoraPlan,
 ) -> None:
-    """:func:`torch_lora_add` in ``cpu_kernel.c``: bfloat16 or float32 rows (unit column stride)
-    and the manager's layouts (``a`` contiguous, each ``b[j]`` ``[S, out_j, R]`` over
-    ``[out_j, S, R]`` memory)."""
+    """:func:`torch_lora_add` in ``cpu_kernel.c``, for operands it takes (:func:`unsupported`)."""
     library = _library()
     if library is None:
         raise RuntimeError("the LoRA kernel is not built")
-    if out.dtype not in KERNELS or not all(t.dtype == out.dtype for t in (x, a, *b)):
-        raise ValueError(f"kernel_lora_add: one dtype of {list(KERNELS)} for every operand")
-    if x.stride(1) != 1 or out.stride(1) != 1 or not a.is_contiguous():
-        raise ValueError("kernel_lora_add needs unit column strides and a contiguous A stack")
-    if not all(b_j.permute(1, 0, 2).is_contiguous() for b_j in b):
-        raise ValueError("kernel_lora_add needs each B stack laid out as [out, S, R]")
+    reason = unsupported(out, x, a, b)
+    if reason is not None:
+        raise ValueError(f"kernel_lora_add needs {reason}")
+    _launch(library, out, x, a, b, offsets, plan)
+
+
+def _launch(
+    library: ctypes.CDLL,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    plan: TorchLoraPlan,
+) -> None:
     rows = plan.sorted_tokens
     if rows.numel() == 0:
         return
@@ -100,14 +122,8 @@ def cpu_lora_add(
     """The CPU backend's ``lora_add``: the kernel for steps of short groups (decodes), where it
     applies; the torch op's GEMMs for long groups (prefill chunks), where they outrun it (at
     512 rows of SmolLM2 in 8 groups of rank 16 they are even, at 2048 1.6x faster)."""
-    if (
-        plan.groups is None
-        and out.dtype in KERNELS
-        and x.dtype == out.dtype
-        and x.stride(1) == 1
-        and out.stride(1) == 1
-        and available()
-    ):
-        kernel_lora_add(out, x, a, b, offsets, plan)
+    library = _library() if plan.groups is None else None
+    if library is not None and unsupported(out, x, a, b) is None:
+        _launch(library, out, x, a, b, offsets, plan)
     else:
         torch_lora_add(out, x, a, b, offsets, plan)
