@@ -108,6 +108,19 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
 
 
+def event_saying(cluster: ClusterHandle, namespace: str, reason: str, text: str) -> str:
+    """The Events of ``reason`` once one of them holds ``text``: kopf posts Events from a queue
+    of its own, so one may trail the status patch or the child it reports by a moment."""
+
+    def events() -> str | None:
+        found = cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", f"reason={reason}"
+        )
+        return found if text in found else None
+
+    return wait_for(f"an Event {reason} saying {text!r}", events, 30)
+
+
 def pod_ready(pod: dict[str, Any]) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)

@@ -24,6 +24,7 @@ from harness import (
     GatewayProcess,
     OperatorProcess,
     engine_key,
+    event_saying,
     example,
     grew,
     live_pods,
@@ -244,6 +245,6 @@ def test_pinned_adapters_load_live_drift_and_route(
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     status_code, answer = complete(gateway, "no-such-adapter", "hi")
     assert status_code == 404, answer
-    events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json"))
-    assert {"AdapterLoaded", "AdapterLoadFailed"} <= {e["reason"] for e in events["items"]}
+    for reason in ("AdapterLoaded", "AdapterLoadFailed"):
+        event_saying(cluster, namespace, reason, POOL)
     assert pods_by_uid(cluster, namespace) == pods

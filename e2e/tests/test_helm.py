@@ -20,7 +20,15 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import IMAGE, ClusterHandle, engine_key, pod_ready, run_client_job, wait_for
+from harness import (
+    IMAGE,
+    ClusterHandle,
+    engine_key,
+    event_saying,
+    pod_ready,
+    run_client_job,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -435,10 +443,7 @@ def test_in_cluster_endpoint_scaling_security_and_drift(
         pool = wait_for("the drifted replica recreated", healed, ENGINE_START_SECONDS, 2)
         assert pool["status"]["drift"] == []
         for reason in ("DriftDetected", "RecreatingDriftedPod"):
-            events = cluster.kubectl(
-                "get", "events", "-n", pools_namespace, "--field-selector", f"reason={reason}"
-            )
-            assert drifted in events, f"no {reason} Event names {drifted}: {events}"
+            event_saying(cluster, pools_namespace, reason, drifted)
         delete_pools(cluster, pools_namespace)
     finally:
         helm(cluster, "uninstall", RELEASE, "-n", namespace, "--wait", "--timeout=120s")

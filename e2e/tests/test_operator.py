@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import ENGINE_START_SECONDS, ClusterHandle, OperatorProcess, pod_ready, wait_for
+from harness import (
+    ENGINE_START_SECONDS,
+    ClusterHandle,
+    OperatorProcess,
+    event_saying,
+    pod_ready,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -230,8 +237,7 @@ def test_scale_does_not_roll_and_a_pinned_change_does(
         "items"
     ]
     assert len(replica_sets) == 1, "scaling created a new ReplicaSet"
-    scaled = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "reason=Scaled")
-    assert "replicas 2 -> 3" in scaled
+    event_saying(cluster, namespace, "Scaled", "replicas 2 -> 3")
 
     cluster.kubectl(
         "patch",
@@ -255,10 +261,7 @@ def test_scale_does_not_roll_and_a_pinned_change_does(
         "metadata"
     ]["annotations"]
     assert annotations[DIGEST_ANNOTATION] == second
-    events = cluster.kubectl(
-        "get", "events", "-n", namespace, "--field-selector", "reason=RolloutStarted"
-    )
-    assert "maxModelLen" in events
+    event_saying(cluster, namespace, "RolloutStarted", "maxModelLen")
 
 
 def test_a_deleted_deployment_is_restored(
@@ -298,19 +301,12 @@ def test_a_deleted_deployment_is_restored(
 
     deployment = wait_for("the Deployment to be restored", restored, 60)
     assert deployment["spec"]["template"]["metadata"]["annotations"][DIGEST_ANNOTATION] == digest
-    events = cluster.kubectl(
-        "get", "events", "-n", namespace, "--field-selector", "reason=DeploymentRestored"
-    )
-    assert "smollm2-chat" in events
+    event_saying(cluster, namespace, "DeploymentRestored", "smollm2-chat")
 
 
 def child_uid(cluster: ClusterHandle, namespace: str, kind: str, name: str) -> str | None:
     found = cluster.run("kubectl", "get", kind, name, "-n", namespace, "-o", "json", check=False)
     return json.loads(found.stdout)["metadata"]["uid"] if found.returncode == 0 else None
-
-
-def events_with_reason(cluster: ClusterHandle, namespace: str, reason: str) -> str:
-    return cluster.kubectl("get", "events", "-n", namespace, "--field-selector", f"reason={reason}")
 
 
 @pytest.mark.parametrize(
@@ -338,7 +334,7 @@ def test_a_deleted_service_or_configmap_is_restored(
         "configmap": "ConfigMapRestored",
         "poddisruptionbudget": "PodDisruptionBudgetRestored",
     }[kind]
-    assert f"{name} was missing" in events_with_reason(cluster, namespace, reason)
+    event_saying(cluster, namespace, reason, f"{name} was missing")
 
 
 def test_a_hand_edited_deployment_is_restored(
@@ -370,7 +366,7 @@ def test_a_hand_edited_deployment_is_restored(
     wait_for(
         "the arguments to be restored", lambda: args() == rendered, RESTORE_SECONDS, interval=0.5
     )
-    assert "differed at" in events_with_reason(cluster, namespace, "DeploymentRestored")
+    event_saying(cluster, namespace, "DeploymentRestored", "differed at")
     assert pool_status(cluster, namespace, "smollm2-chat")["pinnedDigest"] == digest
 
 
@@ -392,7 +388,7 @@ def test_a_child_the_api_server_rejects_is_named_in_the_status(
     assert "less than or equal to cpu limit" in degraded["message"]
     ready = condition(pool_status(cluster, namespace, "smollm2-chat"), "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "ApplyRejected")
-    assert "smollm2-chat" in events_with_reason(cluster, namespace, "ApplyRejected")
+    event_saying(cluster, namespace, "ApplyRejected", "smollm2-chat")
 
     # Fixing the spec clears it.
     cluster.kubectl(
@@ -432,7 +428,7 @@ def test_a_disallowed_image_or_host_path_is_refused(
     ready = wait_for(f"Ready=False {reason}", refused, 60)
     assert ready["status"] == "False"
     assert "not allow" in ready["message"]
-    assert "smollm2-chat" in events_with_reason(cluster, namespace, reason)
+    event_saying(cluster, namespace, reason, "smollm2-chat")
     selector = f"{POOL_LABEL}=smollm2-chat"
     for kind in ("deployments", "services", "configmaps", "pods"):
         assert cluster.get(kind, "-n", namespace, "-l", selector)["items"] == [], kind
@@ -680,8 +676,9 @@ def test_drift_is_detected_reported_and_recreated(
 
     # The operator's first pass restores the ConfigMap and checks every ready replica.
     status = wait_for("Drifted", drifted, 2 * DRIFT_INTERVAL_SECONDS + 30, interval=0.5)
-    restored = events_with_reason(cluster, namespace, "ConfigMapRestored")
-    assert "smollm2-chat-engine differed at .data.template" in restored
+    event_saying(
+        cluster, namespace, "ConfigMapRestored", "smollm2-chat-engine differed at .data.template"
+    )
     [entry] = status["drift"]
     assert entry == {
         "pod": replacement,
@@ -689,10 +686,7 @@ def test_drift_is_detected_reported_and_recreated(
         "expected": status["pinned"]["chatTemplateSha256"],
         "actual": hashlib.sha256(b"{{ messages }} tampered").hexdigest(),
     }
-    events = cluster.kubectl(
-        "get", "events", "-n", namespace, "--field-selector", "reason=DriftDetected"
-    )
-    assert entry["pod"] in events
+    event_saying(cluster, namespace, "DriftDetected", entry["pod"])
     assert (
         f'llmpool_operator_drifted_replicas{{namespace="{namespace}",pool="smollm2-chat"}} 1.0'
         in operator.metrics()
@@ -717,10 +711,7 @@ def test_drift_is_detected_reported_and_recreated(
 
     status = wait_for("the drifted pod to be replaced", recovered, ENGINE_START_SECONDS, interval=1)
     assert status["drift"] == []
-    events = cluster.kubectl(
-        "get", "events", "-n", namespace, "--field-selector", "reason=RecreatingDriftedPod"
-    )
-    assert entry["pod"] in events
+    event_saying(cluster, namespace, "RecreatingDriftedPod", entry["pod"])
 
 
 @needs_engine

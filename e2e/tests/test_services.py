@@ -123,8 +123,12 @@ def test_dns_names_and_cluster_ips_reach_every_replica(
         "        break\n"
         "    except OSError:\n"
         "        time.sleep(1)\n"
+        "deadline = time.monotonic() + 60  # kube-proxy may add the second endpoint later\n"
         "for _ in range(40):\n"
         "    seen.add(get())\n"
+        f"while len(seen) < {len(names)} and time.monotonic() < deadline:\n"
+        "    seen.add(get())\n"
+        "    time.sleep(0.2)\n"
         "print('reached', ' '.join(sorted(seen)))\n"
     )
     logs = run_client(cluster, namespace, "client", code)
