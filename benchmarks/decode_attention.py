@@ -16,23 +16,27 @@ Writes ``benchmarks/results/decode_attention.json`` with the CPU model.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import json
 import random
-import statistics
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from llmpool.bench.offline import cpu_model
-from llmpool.engine import LLM, SamplingParams
+from llmpool.bench.launch import build_in_ended_thread
+from llmpool.bench.results import script_command, write_json
+from llmpool.bench.steps import (
+    CONTEXT,
+    ENDLESS,
+    alternating_step_ms,
+    random_prompts,
+    start_decoding,
+)
+from llmpool.engine import LLM
 from llmpool.engine.attention import CPU, TORCH, AttentionMetadata, Backend
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 9, 3, 64
-CONTEXT = (40, 700)
 
 
 def decode_batch(concurrency: int, seed: int) -> AttentionMetadata:
@@ -64,17 +68,18 @@ def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dic
     query = torch.randn(concurrency, NUM_HEADS, HEAD_DIM).to(dtype)
     backends: dict[str, Backend] = {"torch": TORCH, "cpu": CPU}
     plans = {name: backend.plan(meta) for name, backend in backends.items()}
-    times: dict[str, list[float]] = {name: [] for name in backends}
     outputs = {}
-    for _ in range(rounds):
-        for name, backend in backends.items():
-            started = time.perf_counter()
-            for _ in range(10):
-                outputs[name] = backend.paged_attention(
-                    query, key_cache, value_cache, plans[name], HEAD_DIM**-0.5
-                )
-            times[name].append((time.perf_counter() - started) / 10 * 1e6)
-    medians = {name: statistics.median(values) for name, values in times.items()}
+
+    def attend(name: str) -> Callable[[], None]:
+        def run() -> None:
+            outputs[name] = backends[name].paged_attention(
+                query, key_cache, value_cache, plans[name], HEAD_DIM**-0.5
+            )
+
+        return run
+
+    ms = alternating_step_ms({name: attend(name) for name in backends}, rounds, steps=10)
+    medians = {name: value * 1e3 for name, value in ms.items()}
     return {
         "us": medians,
         "torch_over_cpu": medians["torch"] / medians["cpu"],
@@ -85,38 +90,23 @@ def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dic
 
 
 def step_milliseconds(concurrencies: list[int], rounds: int) -> list[dict[str, Any]]:
-    def build(backend: str) -> LLM:
-        return LLM(dtype="bfloat16", enable_prefix_caching=False, attention_backend=backend)
-
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a thread that ends: see decode_step
-        engines = {name: pool.submit(build, name).result() for name in ("torch", "cpu")}
+    engines = build_in_ended_thread(
+        lambda: {
+            name: LLM(dtype="bfloat16", enable_prefix_caching=False, attention_backend=name)
+            for name in ("torch", "cpu")
+        }
+    )
     rows = []
-    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     for concurrency in concurrencies:
-        rng = random.Random(concurrency)
-        prompts = [
-            [rng.randrange(100, 40_000) for _ in range(rng.randint(*CONTEXT))]
-            for _ in range(concurrency)
-        ]
+        prompts = random_prompts(concurrency)
         ids = [f"{concurrency}-{index}" for index in range(concurrency)]
         for llm in engines.values():
-            core = llm.engine
-            for request_id, prompt in zip(ids, prompts, strict=True):
-                core.add_request(request_id, prompt, params)
-            while core.scheduler.waiting or any(
-                r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
-            ):
-                core.step()
-        times: dict[str, list[float]] = {name: [] for name in engines}
-        for _ in range(rounds):
-            for name, llm in engines.items():
-                started = time.perf_counter()
-                for _ in range(4):
-                    llm.engine.step()
-                times[name].append((time.perf_counter() - started) / 4 * 1e3)
+            start_decoding(llm.engine, ids, prompts, ENDLESS)
+        medians = alternating_step_ms(
+            {name: llm.engine.step for name, llm in engines.items()}, rounds, steps=4
+        )
         for llm in engines.values():
             llm.engine.abort_requests(ids)
-        medians = {name: statistics.median(values) for name, values in times.items()}
         rows.append(
             {
                 "concurrency": concurrency,
@@ -141,13 +131,11 @@ def main() -> None:
             layers.append(row)
             print(f"layer: {row}", flush=True)
     report = {
-        "cpu": cpu_model(),
         "threads": torch.get_num_threads(),
         "layer": layers,
         "step_bfloat16": step_milliseconds(args.concurrency, args.rounds),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "decode_attention.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(RESULTS / "decode_attention.json", report, script_command(__file__))
 
 
 if __name__ == "__main__":

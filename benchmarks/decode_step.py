@@ -24,7 +24,6 @@ report none.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import statistics
 import time
@@ -34,8 +33,10 @@ from typing import Any
 
 import torch
 
-from llmpool.bench.offline import cpu_model
-from llmpool.engine import LLM, SamplingParams
+from llmpool.bench.launch import build_in_ended_thread
+from llmpool.bench.results import script_command, write_json
+from llmpool.bench.steps import ENDLESS, alternating_step_ms, gemm_weights, start_decoding
+from llmpool.engine import LLM
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.models.llama import LlamaForCausalLM
 
@@ -52,16 +53,6 @@ def median_seconds(run: Callable[[], Any], repeats: int) -> float:
         run()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
-
-
-def gemm_weights(model: LlamaForCausalLM) -> list[torch.Tensor]:
-    """The weights of every GEMM of a step, in order (the dense ones: unquantized models)."""
-    weights = []
-    for layer in model.layers:
-        for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            weights.append(proj.weight)
-    weights.append(model.lm_head)
-    return weights
 
 
 def gemm_roof(model: LlamaForCausalLM, rows: int, repeats: int) -> tuple[float, float]:
@@ -84,36 +75,16 @@ def peak_gflops(dtype: torch.dtype) -> float:
     return 2 * 2048**3 / median_seconds(lambda: a @ a, 5) / 1e9
 
 
-def start_decoding(engine: EngineCore, concurrency: int) -> list[str]:
-    """``concurrency`` requests, stepped until all have finished their prompts; their ids."""
-    ids = [f"c{concurrency}-{index}" for index in range(concurrency)]
-    for request_id in ids:
-        engine.add_request(
-            request_id, PROMPT, SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-        )
-    engine.step()
-    while engine.scheduler.waiting or any(
-        r.num_computed_tokens < len(PROMPT) for r in engine.scheduler.running
-    ):
-        engine.step()
-    return ids
-
-
 def measure(
     engines: dict[str, EngineCore], concurrency: int, rounds: int, steps: int
 ) -> dict[str, Any]:
-    request_ids = {name: start_decoding(engine, concurrency) for name, engine in engines.items()}
-    step_ms: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(rounds):
-        for name, engine in engines.items():
-            engine.step()
-            started = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            step_ms[name].append((time.perf_counter() - started) / steps * 1e3)
-    for name, engine in engines.items():
-        engine.abort_requests(request_ids[name])
-    medians = {name: statistics.median(times) for name, times in step_ms.items()}
+    ids = [f"c{concurrency}-{index}" for index in range(concurrency)]
+    for engine in engines.values():
+        start_decoding(engine, ids, [PROMPT] * concurrency, ENDLESS)
+    steppers = {name: engine.step for name, engine in engines.items()}
+    medians = alternating_step_ms(steppers, rounds, steps, before=steppers)
+    for engine in engines.values():
+        engine.abort_requests(ids)
     row: dict[str, Any] = {
         "concurrency": concurrency,
         "step_ms": medians,
@@ -142,8 +113,7 @@ def build_engines(dtype: str, quantization: str, max_num_seqs: int) -> dict[str,
             for name in ("eager", "compiled")
         }
 
-    with concurrent.futures.ThreadPoolExecutor(1) as builder:
-        return builder.submit(build).result()
+    return build_in_ended_thread(build)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -189,19 +159,12 @@ def main() -> None:
             rows.append(row)
         del engines
     result = {
-        "cpu": cpu_model(),
         "threads": torch.get_num_threads(),
         "peak_gflops": {d: peak_gflops(getattr(torch, d)) for d in args.dtypes},
-        "command": "python benchmarks/decode_step.py "
-        + " ".join(
-            f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items()
-        ),
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
     name = "decode_step" if args.quantization == "none" else f"decode_step_{args.quantization}"
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    result = write_json(RESULTS / f"{name}.json", result, script_command(__file__))
     (RESULTS / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
 

@@ -16,12 +16,12 @@ saturates or underflows. CPU, float32 activations.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from llmpool.bench.results import script_command, write_json
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.models.quantization import (
@@ -187,8 +187,7 @@ def main() -> None:
         texts,
     )
     result = {"eval_tokens": {name: len(ids) for name, ids in texts.items()}, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result, script_command(__file__))
     print(f"wrote {args.out}")
 
 

@@ -38,6 +38,8 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmpool.bench.launch import free_port, start_server
+from llmpool.bench.results import script_command, write_json
+from llmpool.bench.stats import percentile
 from llmpool.gateway.app import GatewaySettings, build_app
 from llmpool.gateway.pools import Pool, PoolTable
 
@@ -163,11 +165,6 @@ def policies(gateway: str, urls: list[str]) -> dict[str, tuple[Callable[[], str]
     }
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def burst(gateway_url: str, gateway_metrics: Callable[[], dict], count: int) -> dict:
     async with httpx.AsyncClient(timeout=None) as client:
 
@@ -205,11 +202,11 @@ def overhead(gateway_url: str, direct_url: str, count: int) -> dict:
         "direct_p50_ms": 1000 * statistics.median(timings["direct"]),
         "gateway_p50_ms": 1000 * statistics.median(timings["gateway"]),
         "added_p50_ms": 1000 * statistics.median(added),
-        "added_p99_ms": 1000 * percentile(added, 0.99),
+        "added_p99_ms": 1000 * percentile(added, 99),
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--tenants", type=int, default=12)
@@ -224,8 +221,74 @@ def main() -> int:
     parser.add_argument("--burst", type=int, default=200)
     parser.add_argument("--overhead-requests", type=int, default=50)
     parser.add_argument("--out", type=Path, default=RESULTS / "gateway_routing.json")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def chat_bodies(policy: str, args: argparse.Namespace) -> list[dict]:
+    """The policy's ``--requests`` streamed chats, tenants drawn alike for every policy."""
+    rng = random.Random(0)
+    bodies = []
+    for index in range(args.requests):
+        tenant = rng.randrange(args.tenants)
+        messages = [
+            {"role": "system", "content": system_prompt(policy, tenant, args.system_tokens)},
+            {"role": "user", "content": f"{QUESTIONS[index % len(QUESTIONS)]} #{index}"},
+        ]
+        bodies.append({
+            "model": MODEL, "messages": messages, "max_tokens": args.max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        })  # fmt: skip
+    return bodies
+
+
+def run_policy(
+    policy: str, pick: Callable[[], str], done: Callable, urls: list[str], args: argparse.Namespace
+) -> dict[str, float]:
+    before = replica_counters(urls)
+    bodies = chat_bodies(policy, args)
+    ttfts, tokens, wall = asyncio.run(closed_loop(pick, done, bodies, args.concurrency))
+    after = replica_counters(urls)
+    hits, queries = (
+        after[f"llmpool:prefix_cache_{kind}_total"] - before[f"llmpool:prefix_cache_{kind}_total"]
+        for kind in ("hits", "queries")
+    )
+    return {
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p95_s": percentile(ttfts, 95),
+        "output_tokens_per_s": tokens / wall,
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "wall_s": wall,
+    }
+
+
+def measure(gateway_url: str, urls: list[str], args: argparse.Namespace) -> dict:
+    """Every policy in turn, then the burst and the gateway's added latency."""
+    results: dict = {"settings": vars(args) | {"out": str(args.out)}, "policies": {}}
+    for name, (pick, done) in policies(gateway_url, urls).items():
+        results["policies"][name] = run_policy(name, pick, done, urls, args)
+        print(name, json.dumps(results["policies"][name]), flush=True)
+    gateway, round_robin = (results["policies"][k] for k in list(results["policies"])[:2])
+    results["ttft_p50_round_robin_over_gateway"] = round_robin["ttft_p50_s"] / gateway["ttft_p50_s"]
+    results["throughput_gateway_over_round_robin"] = (
+        gateway["output_tokens_per_s"] / round_robin["output_tokens_per_s"]
+    )
+    before_burst = gateway_requests(gateway_url)
+    results["burst"] = asyncio.run(
+        burst(
+            gateway_url,
+            lambda: {
+                k: v - before_burst.get(k, 0) for k, v in gateway_requests(gateway_url).items()
+            },
+            args.burst,
+        )
+    )
+    results["overhead"] = overhead(gateway_url, urls[0], args.overhead_requests)
+    results["load_average"] = os.getloadavg()
+    return results
+
+
+def main() -> int:
+    args = parse_args()
     logs = Path(tempfile.mkdtemp(prefix="gateway_routing_"))  # replica logs, kept for a look
     serve_args = ["--max-model-len", str(args.system_tokens + 512), "--max-num-seqs", "16",
                   "--kv-cache-memory", args.kv_cache_memory, "--no-access-log"]  # fmt: skip
@@ -235,66 +298,14 @@ def main() -> int:
     ]
     urls = [url for _, url in replicas]
     server, gateway_url = start_gateway(urls)
-    results: dict = {"settings": vars(args) | {"out": str(args.out)}, "policies": {}}
     try:
-        for name, (pick, done) in policies(gateway_url, urls).items():
-            rng = random.Random(0)
-            bodies = []
-            for index in range(args.requests):
-                tenant = rng.randrange(args.tenants)
-                messages = [
-                    {"role": "system", "content": system_prompt(name, tenant, args.system_tokens)},
-                    {"role": "user", "content": f"{QUESTIONS[index % len(QUESTIONS)]} #{index}"},
-                ]
-                bodies.append({
-                    "model": MODEL, "messages": messages, "max_tokens": args.max_tokens,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                })  # fmt: skip
-            before = replica_counters(urls)
-            ttfts, tokens, wall = asyncio.run(closed_loop(pick, done, bodies, args.concurrency))
-            after = replica_counters(urls)
-            hits = (
-                after["llmpool:prefix_cache_hits_total"] - before["llmpool:prefix_cache_hits_total"]
-            )
-            queries = (
-                after["llmpool:prefix_cache_queries_total"]
-                - before["llmpool:prefix_cache_queries_total"]
-            )
-            results["policies"][name] = {
-                "ttft_p50_s": statistics.median(ttfts),
-                "ttft_p95_s": percentile(ttfts, 0.95),
-                "output_tokens_per_s": tokens / wall,
-                "prefix_hit_rate": hits / queries if queries else 0.0,
-                "wall_s": wall,
-            }
-            print(name, json.dumps(results["policies"][name]), flush=True)
-        gateway, round_robin = (results["policies"][k] for k in list(results["policies"])[:2])
-        results["ttft_p50_round_robin_over_gateway"] = (
-            round_robin["ttft_p50_s"] / gateway["ttft_p50_s"]
-        )
-        results["throughput_gateway_over_round_robin"] = (
-            gateway["output_tokens_per_s"] / round_robin["output_tokens_per_s"]
-        )
-        before_burst = gateway_requests(gateway_url)
-        after_burst = asyncio.run(
-            burst(
-                gateway_url,
-                lambda: {
-                    k: v - before_burst.get(k, 0) for k, v in gateway_requests(gateway_url).items()
-                },
-                args.burst,
-            )
-        )
-        results["burst"] = after_burst
-        results["overhead"] = overhead(gateway_url, urls[0], args.overhead_requests)
-        results["load_average"] = os.getloadavg()
+        results = measure(gateway_url, urls, args)
     finally:
         server.should_exit = True
         for process, _ in replicas:
             process.terminate()
             process.wait(60)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    results = write_json(args.out, results, script_command(__file__))
     print(json.dumps(results, indent=2))
     return 0
 

@@ -22,7 +22,7 @@ import numpy as np
 import xgrammar
 from transformers import AutoTokenizer
 
-from llmpool.bench.offline import cpu_model
+from llmpool.bench.results import script_command, write_json
 from llmpool.engine import model_source
 
 RESULTS = Path(__file__).parent / "results"
@@ -135,14 +135,11 @@ def main() -> int:
     }
     print("per token", json.dumps(per_token))
     report = {
-        "command": "python benchmarks/grammar_libraries.py",
-        "cpu": cpu_model(),
         "versions": {name: version(name) for name in ("llguidance", "xgrammar")},
         "schemas": results,
         "person_walk": per_token,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "grammar_libraries.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(RESULTS / "grammar_libraries.json", report, script_command(__file__))
     return 0
 
 

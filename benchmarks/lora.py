@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from llmpool.bench.offline import cpu_model, make_workload, run_llmpool
+from llmpool.bench.offline import make_workload, run_llmpool
+from llmpool.bench.results import script_command, write_json
 from llmpool.engine import LLM, model_source
 from llmpool.engine.lora import LORA_TARGETS, LoRARequest
 from llmpool.engine.lora.adapter import random_adapter
@@ -130,16 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         run_llmpool(llm, warmup, adapters)
         levels = measure(llm, adapters, args, config.vocab_size)
     report = {
-        "command": " ".join(["python benchmarks/lora.py", *argv]),
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "dtype": llm.engine.resolved_dtype.name,
         "settings": vars(args),
         "levels": levels,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "lora.json").write_text(json.dumps(report, indent=2) + "\n")
+    report = write_json(RESULTS / "lora.json", report, script_command(__file__, argv))
     (RESULTS / "lora.md").write_text(markdown(report))
     print(markdown(report))
     return 0

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from llmpool.bench.results import grouped_bars, script_command, write_json
+from llmpool.bench.stats import percentile
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.sampling_params import SamplingParams
@@ -98,11 +100,11 @@ def run(engine: EngineCore, prompts: list[list[int]], concurrency: int, max_toke
 
 
 def summarize(result: dict) -> dict:
-    ttft = sorted(result["ttft_s"])
+    ttft = result["ttft_s"]
     queries = result["prefix_cache_queries"]
     return {
         "ttft_p50_s": statistics.median(ttft),
-        "ttft_p95_s": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))],
+        "ttft_p95_s": percentile(ttft, 95),
         "wall_s": result["wall_s"],
         "hit_rate": result["prefix_cache_hits"] / queries if queries else 0.0,
     }
@@ -146,61 +148,46 @@ def main(argv: list[str] | None = None) -> int:
 
     off, on = summaries["cache off"], summaries["cache on"]
     report = {
-        "command": " ".join(["python benchmarks/prefix_cache.py", *argv]),
         "settings": vars(args) | {"prompt_tokens": len(prompts[0])},
         "results": summaries,
         "ttft_p50_speedup": off["ttft_p50_s"] / on["ttft_p50_s"],
         "ttft_p95_speedup": off["ttft_p95_s"] / on["ttft_p95_s"],
     }
-    write_results(report, "prefix_cache_warm" if args.warm_up else "prefix_cache")
+    name = "prefix_cache_warm" if args.warm_up else "prefix_cache"
+    report = write_json(RESULTS / f"{name}.json", report, script_command(__file__, argv))
+    write_table_and_plot(report, name)
     print(json.dumps(report, indent=2))
     return 0
 
 
-def write_results(report: dict, name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+def write_table_and_plot(report: dict, name: str) -> None:
     results = report["results"]
     lines = [
         "| prefix cache | TTFT p50 (s) | TTFT p95 (s) | wall (s) | hit rate |",
         "|---|---|---|---|---|",
     ]
     lines += [
-        f"| {name} | {r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} | {r['wall_s']:.1f}"
+        f"| {setting} | {r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} | {r['wall_s']:.1f}"
         f" | {100 * r['hit_rate']:.1f}% |"
-        for name, r in results.items()
+        for setting, r in results.items()
     ]
     lines += [
         "",
         f"TTFT p50 {report['ttft_p50_speedup']:.1f}x lower, p95"
         f" {report['ttft_p95_speedup']:.1f}x lower with the cache on.",
-        f"Command: `{report['command']}`",
+        f"Command: `{report['command']}` on {report['cpu']}",
     ]
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
-    figure, axis = plt.subplots(figsize=(5, 3.5))
-    names = list(results)
-    for offset, key in ((-0.2, "ttft_p50_s"), (0.2, "ttft_p95_s")):
-        axis.bar(
-            [i + offset for i in range(len(names))],
-            [results[n][key] for n in names],
-            width=0.4,
-            label=key.removeprefix("ttft_").removesuffix("_s"),
-        )
-    axis.set_xticks(range(len(names)), names)
-    axis.set_ylabel("TTFT (s)")
     settings = report["settings"]
-    axis.set_title(
+    grouped_bars(
+        results,
+        {"ttft_p50_s": "p50", "ttft_p95_s": "p95"},
+        list(results),
+        "TTFT (s)",
         f"Shared {settings['system_tokens']:,}-token system prompt, concurrency"
-        f" {settings['concurrency']}" + (", warm cache" if settings["warm_up"] else "")
+        f" {settings['concurrency']}" + (", warm cache" if settings["warm_up"] else ""),
+        RESULTS / f"{name}.png",
     )
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from llmpool.bench.results import grouped_bars, script_command, write_json
+from llmpool.bench.stats import percentile
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.priority import PRIORITY_CLASSES
@@ -47,11 +49,6 @@ def batch_prompt(engine: EngineCore, num_tokens: int) -> list[int]:
         tokens += engine.tokenizer.encode(BATCH_TEXT.format(index=index), add_special_tokens=False)
         index += 1
     return tokens[:num_tokens]
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 def run_setting(
@@ -98,7 +95,7 @@ def run_setting(
         "priorities": priorities,
         "steps": step,
         "itl_p50_s": statistics.median(itl),
-        "itl_p95_s": percentile(itl, 0.95),
+        "itl_p95_s": percentile(itl, 95),
         "itl_max_s": max(itl),
         "itl_intervals": len(itl),
         "batch_prefill_s": prefill_end - arrival["batch"],
@@ -136,26 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         print(name, json.dumps(results[name]), flush=True)
     baseline = results["no chunking, no priorities"]["itl_p95_s"]
     report = {
-        "command": " ".join(["python benchmarks/priority_itl.py", *argv]),
         "settings": vars(args),
         "results": results,
         "itl_p95_vs_no_chunking": {
             name: baseline / result["itl_p95_s"] for name, result in results.items()
         },
     }
-    write_results(report)
+    report = write_json(RESULTS / "priority_itl.json", report, script_command(__file__, argv))
+    write_table_and_plot(report)
     print(json.dumps(report, indent=2))
     return 0
 
 
-def write_results(report: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "priority_itl.json").write_text(json.dumps(report, indent=2) + "\n")
+def write_table_and_plot(report: dict) -> None:
     results = report["results"]
     lines = [
         "| setting | step budget | ITL p50 (s) | ITL p95 (s) | ITL max (s) | 2nd chat TTFT (s)"
@@ -167,25 +157,17 @@ def write_results(report: dict) -> None:
         f" | {r['itl_max_s']:.2f} | {r['chat_b_ttft_s']:.2f} | {r['batch_prefill_s']:.1f} |"
         for name, r in results.items()
     ]
-    lines += ["", f"Command: `{report['command']}`"]
+    lines += ["", f"Command: `{report['command']}` on {report['cpu']}"]
     (RESULTS / "priority_itl.md").write_text("\n".join(lines) + "\n")
-    figure, axis = plt.subplots(figsize=(6.5, 3.5))
-    names = list(results)
-    for offset, key in ((-0.2, "itl_p95_s"), (0.2, "chat_b_ttft_s")):
-        axis.bar(
-            [i + offset for i in range(len(names))],
-            [results[n][key] for n in names],
-            width=0.4,
-            label={"itl_p95_s": "ITL p95", "chat_b_ttft_s": "2nd chat TTFT"}[key],
-        )
-    axis.set_xticks(range(len(names)), [n.replace(", ", ",\n") for n in names], fontsize=8)
-    axis.set_ylabel("seconds")
-    axis.set_title(
-        f"Interactive latency while a {report['settings']['batch_tokens']:,}-token prompt runs"
+    grouped_bars(
+        results,
+        {"itl_p95_s": "ITL p95", "chat_b_ttft_s": "2nd chat TTFT"},
+        [n.replace(", ", ",\n") for n in results],
+        "seconds",
+        f"Interactive latency while a {report['settings']['batch_tokens']:,}-token prompt runs",
+        RESULTS / "priority_itl.png",
+        figsize=(6.5, 3.5),
     )
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(RESULTS / "priority_itl.png", dpi=120)
 
 
 if __name__ == "__main__":

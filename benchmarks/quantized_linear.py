@@ -20,7 +20,6 @@ matmul's barrier whenever another process holds the other core.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmpool.bench.offline import cpu_model
+from llmpool.bench.results import script_command, write_json
 from llmpool.engine import SamplingParams
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
@@ -193,11 +192,6 @@ def main() -> None:
     layers = bench_layers(args.rounds)
     model = [row for c in (1, 64) for row in bench_model(c, args.rounds, args.steps)]
     result = {
-        "command": "python benchmarks/quantized_linear.py"
-        f" --rounds {args.rounds} --steps {args.steps}"
-        + (f" --threads {args.threads}" if args.threads else ""),
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "load_average": os.getloadavg(),
@@ -206,8 +200,7 @@ def main() -> None:
         "layers": layers,
         "model": model,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.output, result, script_command(__file__))
     for row in layers:
         print(
             f"{row['layer']:8} rows {row['rows']:3} {row['dtype']:8} {row['quantization']:5}"

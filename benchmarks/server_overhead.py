@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import random
-import shlex
 import statistics
 import sys
 import tempfile
@@ -49,7 +48,8 @@ import httpx
 import torch
 
 from llmpool.bench.launch import start_server
-from llmpool.bench.offline import cpu_model
+from llmpool.bench.results import script_command, write_json
+from llmpool.bench.stats import percentile
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.sampling_params import SamplingParams
@@ -59,15 +59,10 @@ PROMPT_TOKEN_RANGE = (1000, 20000)  # clear of special tokens, as `llmpool bench
 START_TIMEOUT_S = 300
 
 
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
-
-
 def summary(gaps_s: list[float]) -> dict[str, float]:
     return {
         "p50": 1000 * statistics.median(gaps_s),
-        "p95": 1000 * percentile(gaps_s, 0.95),
+        "p95": 1000 * percentile(gaps_s, 95),
         "mean": 1000 * statistics.fmean(gaps_s),
         "count": len(gaps_s),
     }
@@ -210,9 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as log_dir:
         rows = [measure(dtype, args, prompt, Path(log_dir)) for dtype in args.dtypes]
     result = {
-        "command": shlex.join(["python", "benchmarks/server_overhead.py", *(argv or sys.argv[1:])]),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "prompt_len": args.prompt_len,
@@ -220,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "rows": rows,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.output, result, script_command(__file__, argv))
     print(f"wrote {args.output}")
     return 0
 

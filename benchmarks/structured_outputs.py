@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from llmpool.bench.offline import cpu_model
+from llmpool.bench.results import script_command, write_json
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.sampling_params import SamplingParams
@@ -128,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                     best[mode] = result
         results[str(concurrency)] = best
     report = {
-        "command": " ".join(["python benchmarks/structured_outputs.py", *argv]),
-        "cpu": cpu_model(),
         "torch_threads": torch.get_num_threads(),
         "dtype": engine.resolved_dtype.name,
         "results": results,
@@ -138,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             for c, r in results.items()
         },
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "structured_outputs.json").write_text(json.dumps(report, indent=2) + "\n")
+    report = write_json(RESULTS / "structured_outputs.json", report, script_command(__file__, argv))
     print(json.dumps(report, indent=2))
     return 0
 

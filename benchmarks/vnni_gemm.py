@@ -20,18 +20,15 @@ Writes ``benchmarks/results/vnni_gemm.json`` with the CPU model.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from bf16_gemm import alternate_steps
 
-from llmpool.bench.offline import cpu_model
+from llmpool.bench.launch import build_in_ended_thread
+from llmpool.bench.results import script_command, write_json
+from llmpool.bench.steps import alternate_steps, gemm_ms
 from llmpool.engine import LLM
 from llmpool.engine.models import vnni_gemm
 from llmpool.engine.models.int4 import INT4_GROUP_SIZE, Int4Linear
@@ -76,15 +73,7 @@ def step_gemms(layers: list[Any], ways: dict[str, Way], rows: int, rounds: int) 
     inputs = {
         width(layer): torch.randn(rows, width(layer), dtype=torch.bfloat16) for layer in layers
     }
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    with torch.inference_mode():
-        for _ in range(rounds + 1):  # the first round warms up
-            for name, way in ways.items():
-                started = time.perf_counter()
-                for layer in layers:
-                    way(inputs[width(layer)], layer)
-                times[name].append((time.perf_counter() - started) * 1e3)
-    ms = {name: statistics.median(values[1:]) for name, values in times.items()}
+    ms = gemm_ms(layers, ways, lambda layer: inputs[width(layer)], rounds)
     weight_bytes = sum(layer.weight.numel() for layer in layers)
     return {
         "rows": rows,
@@ -95,11 +84,9 @@ def step_gemms(layers: list[Any], ways: dict[str, Way], rows: int, rounds: int) 
 
 
 def build(quantization: str) -> LLM:
-    def make() -> LLM:
-        return LLM(dtype="bfloat16", quantization=quantization, enable_prefix_caching=False)
-
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a thread that ends: see decode_step
-        return pool.submit(make).result()
+    return build_in_ended_thread(
+        lambda: LLM(dtype="bfloat16", quantization=quantization, enable_prefix_caching=False)
+    )
 
 
 def main() -> None:
@@ -114,7 +101,7 @@ def main() -> None:
         "kernel": lambda: vnni_gemm.set_enabled(True),
         "torch": lambda: vnni_gemm.set_enabled(False),
     }
-    report: dict[str, Any] = {"cpu": cpu_model(), "threads": torch.get_num_threads()}
+    report: dict[str, Any] = {"threads": torch.get_num_threads()}
     for quantization, ways in (("int8", INT8_WAYS), ("int4", INT4_WAYS)):
         llm = build(quantization)
         gemms = []
@@ -125,8 +112,7 @@ def main() -> None:
         steps = alternate_steps(llm, args.concurrency, args.rounds, choices)
         report[f"{quantization}_step_eager"] = steps
         del llm
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vnni_gemm.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(RESULTS / "vnni_gemm.json", report, script_command(__file__))
 
 
 if __name__ == "__main__":
