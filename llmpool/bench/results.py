@@ -16,6 +16,10 @@ from typing import Any
 
 from llmpool.engine.cpu_features import cpu_flags, cpu_model
 
+# Relative to the working directory: every documented benchmark command runs from the
+# repository root (as ``llmpool bench offline``'s default ``--out`` assumes too).
+RESULTS = Path("benchmarks/results")
+
 
 def cpu_description() -> dict[str, Any]:
     """The CPU's model name, its SIMD flags the kernels choose by, and the logical CPU count."""
@@ -24,8 +28,9 @@ def cpu_description() -> dict[str, Any]:
 
 
 def script_command(script: str, argv: Sequence[str] | None = None) -> str:
-    """``python benchmarks/NAME.py ARGS``: how the benchmark script ``script`` (its
-    ``__file__``) was run, with ``argv`` (default: this process's arguments)."""
+    """``python benchmarks/NAME.py ARGS``: how the benchmark module ``script`` (its
+    ``__file__``; its entry point is the file of the same name in ``benchmarks/``) was run,
+    with ``argv`` (default: this process's arguments)."""
     args = sys.argv[1:] if argv is None else list(argv)
     return shlex.join(["python", f"benchmarks/{Path(script).name}", *args])
 
