@@ -57,3 +57,10 @@ def test_build_in_ended_thread() -> None:
     assert value == 7
     assert built_in[0] is not threading.current_thread()
     assert not built_in[0].is_alive()
+
+
+def test_grouped_bars_draws_a_png(tmp_path: Path) -> None:
+    rows = {"off": {"p50": 1.0, "p95": 2.0}, "on": {"p50": 0.5, "p95": 1.0}}
+    path = tmp_path / "bars.png"
+    results.grouped_bars(rows, {"p50": "p50", "p95": "p95"}, list(rows), "s", "title", path)
+    assert path.read_bytes().startswith(b"\x89PNG")

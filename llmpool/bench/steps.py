@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -57,10 +57,10 @@ def start_decoding(
 
 
 def alternating_step_ms(
-    steppers: dict[str, Callable[[], object]],
+    steppers: Mapping[str, Callable[[], object]],
     rounds: int,
     steps: int,
-    before: dict[str, Callable[[], object]] | None = None,
+    before: Mapping[str, Callable[[], object]] | None = None,
 ) -> dict[str, float]:
     """Median ms per step of each stepper: ``rounds`` rounds, each running every stepper
     ``steps`` times in turn (after its untimed ``before``, if any)."""
