@@ -38,8 +38,8 @@ from typing import Any
 import yaml
 
 import llmpool
-from llmpool.bench.offline import cpu_model
-from llmpool.bench.serve import percentiles
+from llmpool.bench.results import cpu_description, script_command
+from llmpool.bench.stats import percentiles
 from llmpool.operator import naming
 
 E2E = Path(__file__).resolve().parents[1] / "e2e"
@@ -97,7 +97,8 @@ def summary(load: Load, phase: str, seconds: float) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def fresh_namespace(args: argparse.Namespace) -> tuple[ClusterHandle, str]:
+    """The e2e cluster with ``--image`` loaded and the measured CRDs, and a new namespace."""
     control_plane = Cluster()
     if not control_plane.running():
         sys.exit("no e2e cluster runs: start one with e2e/cluster up")
@@ -110,6 +111,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "get", "serviceaccount", "default", "-n", namespace, check=False), 30)  # fmt: skip
     cluster.kubectl("apply", "-f", str(MEASURED / "crds"))
     cluster.kubectl("wait", "--for=condition=established", f"crd/{naming.PLURAL}.{naming.GROUP}")
+    return cluster, namespace
+
+
+def steady_then_rollout(
+    cluster: ClusterHandle, namespace: str, gateway: GatewayProcess, args: argparse.Namespace
+) -> tuple[dict[str, Any], Load]:
+    """Load through the gateway: ``--steady-seconds`` steady, then a rollout of the pool's
+    Ready replicas until new ones serve; each phase's summary, and the load."""
+
+    def ready() -> set[str] | None:
+        now = pods(cluster, namespace)
+        return {p["metadata"]["name"] for p in now} if len(now) == 2 and all(
+            pod_ready(p) for p in now) else None  # fmt: skip
+
+    old = wait_for("two replicas Ready", ready, START_SECONDS, 1)
+    wait_for("the gateway serving", lambda: gateway.complete("Hi", MODEL)[0] == 200, 120, 1)
+    load = Load(gateway.url, MODEL, args.tokens, HOLD_SECONDS + 60)
+    phases: dict[str, Any] = {}
+    with ThreadPoolExecutor(args.clients) as executor:
+        clients = [executor.submit(load.run, client) for client in range(args.clients)]
+        try:
+            began = time.monotonic()
+            time.sleep(args.steady_seconds)
+            phases["steady"] = summary(load, "steady", time.monotonic() - began)
+            load.start("rollout")
+            began = time.monotonic()
+            cluster.kubectl(
+                "patch", "llmpool", POOL, "-n", namespace, "--type=merge",
+                "-p", json.dumps({"spec": {"maxModelLen": 512}}),
+            )  # fmt: skip
+            wait_for("the rollout", lambda: rolled(cluster, namespace, old), START_SECONDS, 1)
+            rollout_seconds = time.monotonic() - began
+        finally:
+            load.stop()
+            for client in clients:
+                client.result()
+    phases["rollout"] = summary(load, "rollout", rollout_seconds)
+    return phases, load
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cluster, namespace = fresh_namespace(args)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     operator = OperatorProcess(cluster, logs / "operator.log", "-n", namespace, "--standalone")
@@ -117,35 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gateway = GatewayProcess(cluster, namespace, logs / "gateway.log", HOLD_SECONDS)
     try:
         cluster.apply(*pool_documents(), namespace=namespace)
-
-        def ready() -> set[str] | None:
-            now = pods(cluster, namespace)
-            return {p["metadata"]["name"] for p in now} if len(now) == 2 and all(
-                pod_ready(p) for p in now) else None  # fmt: skip
-
-        old = wait_for("two replicas Ready", ready, START_SECONDS, 1)
-        wait_for("the gateway serving", lambda: gateway.complete("Hi", MODEL)[0] == 200, 120, 1)
-        load = Load(gateway.url, MODEL, args.tokens, HOLD_SECONDS + 60)
-        phases: dict[str, Any] = {}
-        with ThreadPoolExecutor(args.clients) as executor:
-            clients = [executor.submit(load.run, client) for client in range(args.clients)]
-            try:
-                began = time.monotonic()
-                time.sleep(args.steady_seconds)
-                phases["steady"] = summary(load, "steady", time.monotonic() - began)
-                load.start("rollout")
-                began = time.monotonic()
-                cluster.kubectl(
-                    "patch", "llmpool", POOL, "-n", namespace, "--type=merge",
-                    "-p", json.dumps({"spec": {"maxModelLen": 512}}),
-                )  # fmt: skip
-                wait_for("the rollout", lambda: rolled(cluster, namespace, old), START_SECONDS, 1)
-                rollout_seconds = time.monotonic() - began
-            finally:
-                load.stop()
-                for client in clients:
-                    client.result()
-        phases["rollout"] = summary(load, "rollout", rollout_seconds)
+        phases, load = steady_then_rollout(cluster, namespace, gateway, args)
         return {
             "label": args.label,
             "commit": subprocess.run(
@@ -155,7 +170,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 check=False,
             ).stdout.strip(),  # fmt: skip
             "image": args.image,
-            "cpu": cpu_model(),
             "clients": args.clients,
             "tokens": args.tokens,
             "phases": phases,
@@ -178,7 +192,7 @@ def main() -> None:
     parser.add_argument("--steady-seconds", type=float, default=30.0)
     parser.add_argument("--logs", default="/tmp/llmpool-rollout-bench", help="process logs")
     args = parser.parse_args()
-    result = run(args)
+    result = {"command": script_command(__file__), **cpu_description(), **run(args)}
     print(json.dumps(result, indent=2))
     recorded = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     recorded[args.label] = result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -33,3 +34,18 @@ def native_bfloat16_flags(cpuinfo: str | None = None) -> list[str]:
     """Which of ``NATIVE_BFLOAT16_FLAGS`` the CPU has; empty: no native bfloat16 arithmetic."""
     flags = cpu_flags(cpuinfo)
     return [flag for flag in NATIVE_BFLOAT16_FLAGS if flag in flags]
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The first processor's ``model name`` in ``cpuinfo`` (default: this machine's), as lscpu
+    prints it; ``platform.processor()`` where there is none (macOS, Windows, some Arm)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "model name":
+            return value.strip()
+    return platform.processor() or "unknown CPU"

@@ -1,4 +1,12 @@
-"""`llmpool bench`: `serve` (load generator against an HTTP endpoint) and `offline` (engine vs HF)."""
+"""Benchmarks: the ``llmpool bench`` CLI and every benchmark ``benchmarks/*.py`` runs.
+
+``llmpool bench serve`` (load generator against HTTP endpoints) and ``llmpool bench offline``
+(engine vs HF) are subcommands; the other benchmarks are modules here whose entry points are
+``python benchmarks/NAME.py`` (benchmarks/README.md lists them with their results). What they
+share: ``stats`` (the one percentile), ``results`` (the CPU description and command each result
+file starts with), ``launch`` (an engine built in a thread that ends, ``llmpool serve`` on a free
+port) and ``steps`` (alternating step and GEMM timings).
+"""
 
 from __future__ import annotations
 

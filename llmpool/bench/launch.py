@@ -1,16 +1,38 @@
-"""Start ``llmpool serve`` on a free local port for a benchmark, and wait until it is ready."""
+"""Start what a benchmark measures: an engine built off the main thread, or ``llmpool serve``
+on a free local port.
+
+Why engines are built in a thread that ends: torch's first parallel op in a thread creates that
+thread's OpenMP team. Loading and warming a model in the main thread and then stepping it there
+is fine, but a benchmark that also steps an engine from a second thread (or compares with the
+server, whose engine thread steps) would hold two teams; with as many intra-op threads as cores
+that costs about 2x per token (GNU OpenMP's workers stop spinning once the process has more
+OpenMP threads than CPUs). Building in a thread that has ended before anything is stepped
+leaves the stepping thread's team the process's only one, as in the server
+(``engine/server/async_engine.py``).
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 LLMPOOL = str(Path(sys.executable).parent / "llmpool")
+
+Built = TypeVar("Built")
+
+
+def build_in_ended_thread(build: Callable[[], Built]) -> Built:
+    """``build()`` run in a thread that has ended when this returns (see the module's note)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as builder:
+        return builder.submit(build).result()
 
 
 def free_port() -> int:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
-import platform
+import shlex
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -25,7 +24,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from llmpool.bench.results import write_json
 from llmpool.engine import LLM, SamplingParams, model_source
+from llmpool.engine.cpu_features import cpu_model
 from llmpool.engine.lora import LoRARequest
 from llmpool.engine.model_runner import StepTimings
 
@@ -227,17 +228,6 @@ def markdown_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def cpu_model() -> str:
-    """The CPU's model name, as lscpu prints it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def plot(results: list[Result], path: Path) -> None:
     import matplotlib
 
@@ -281,14 +271,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def write_results(results: list[Result], out: Path, argv: list[str]) -> None:
     """JSON, markdown table and plot of the results so far."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    command = shlex.join(["llmpool", "bench", "offline", *argv])
+    threads = torch.get_num_threads()
+    report = {"torch_threads": threads, "results": [asdict(r) for r in results]}
+    write_json(out / "results.json", report, command)
     table = markdown_table(results)
-    command = "llmpool bench offline " + " ".join(argv)
-    header = (
-        f"`{command.strip()}` — {cpu_model()}, {os.cpu_count()} CPUs,"
-        f" torch threads: {torch.get_num_threads()}\n\n"
-    )
+    header = f"`{command}` — {cpu_model()}, {os.cpu_count()} CPUs, torch threads: {threads}\n\n"
     (out / "results.md").write_text(header + table + "\n")
     plot(results, out / "throughput.png")
 

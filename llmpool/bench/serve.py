@@ -49,9 +49,10 @@ from llmpool.bench.compare import (
     level_ratios,
     parse_target,
 )
+from llmpool.bench.results import cpu_description
+from llmpool.bench.stats import PERCENTILES, percentiles
 from llmpool.bench.workload import WorkItem, make_levels, parse_length_range
 
-PERCENTILES = (50, 95, 99)
 OURS = "llmpool"
 
 
@@ -89,17 +90,6 @@ class LevelSummary:
     prompt_tokens_mean: float = math.nan  # as the server counted them (its tokenizer)
     output_tokens_counted_by: str = "usage"  # "usage", "chunks" or "mixed"
     load_average_1m: float = math.nan  # of the machine, right after the level
-
-
-def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
-    """Mean and p50/p95/p99, scaled (seconds to milliseconds by default); NaN when empty."""
-    if not values:
-        return {"mean": math.nan, **{f"p{p}": math.nan for p in PERCENTILES}}
-    array = np.asarray(values) * scale
-    return {
-        "mean": float(array.mean()),
-        **{f"p{p}": float(np.percentile(array, p)) for p in PERCENTILES},
-    }
 
 
 def read_chunk(chunk: dict[str, Any], result: RequestResult) -> bool:
@@ -313,16 +303,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def host_info() -> dict[str, Any]:
-    from llmpool.bench.offline import cpu_model
-    from llmpool.engine.cpu_features import cpu_flags
-
-    simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-    return {
-        "cpu": cpu_model(),
-        "cpu_flags": simd,
-        "cpus": os.cpu_count(),
-        "load_average_1_5_15m": os.getloadavg(),
-    }
+    return {**cpu_description(), "load_average_1_5_15m": os.getloadavg()}
 
 
 async def first_model(client: httpx.AsyncClient) -> str:

@@ -1,0 +1,100 @@
+"""Few-row bfloat16 GEMMs on CPU: the ``bf16_gemm`` C kernel against torch, and the step.
+
+Two measurements, each alternating between the ways in one process:
+
+- a decode step's GEMMs alone (every layer's four projections and the LM head of the built-in
+  model, 269 MB of bfloat16 weights, so they stream from memory as in a step) at ``--rows``
+  rows, three ways: torch's bfloat16 GEMM (oneDNN), the C kernel, and the float32 GEMM on
+  upcast operands (what ``linear`` runs for prefill chunks past the kernel's rows); with the
+  weight bandwidth and GFLOP/s of each and the largest difference from the float32 product;
+- the engine's whole eager bfloat16 step with ``--concurrency`` requests of 40-700-token prompts
+  decoding, rounds of steps alternating between the kernel on and off (the choice is
+  process-wide: ``linear.set_bfloat16_kernel``).
+
+    python benchmarks/bf16_gemm.py --rows 1 4 16 64 128 256 512 --concurrency 1 16 64
+
+Writes ``benchmarks/results/bf16_gemm.json`` with the CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from llmpool.bench.launch import build_in_ended_thread
+from llmpool.bench.results import RESULTS, script_command, write_json
+from llmpool.bench.steps import alternate_steps, gemm_ms, gemm_weights
+from llmpool.engine import LLM
+from llmpool.engine.models import bf16_gemm, linear
+
+
+def upcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)
+
+
+WAYS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "torch": torch.nn.functional.linear,
+    "kernel": bf16_gemm.bf16_linear,
+    "upcast": upcast,
+}
+
+
+def step_gemms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str, Any]:
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16) for w in weights}
+    ms = gemm_ms(weights, WAYS, lambda weight: inputs[weight.shape[1]], rounds)
+    with torch.inference_mode():
+        x, weight = inputs[weights[2].shape[1]], weights[2]  # a gate_up projection
+        product = torch.nn.functional.linear(x.float(), weight.float())
+        differences = {
+            name: float((way(x, weight).float() - product).abs().max())
+            for name, way in WAYS.items()
+        }
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    flops = sum(2 * rows * w.numel() for w in weights)
+    return {
+        "rows": rows,
+        "ms": ms,
+        "torch_over_kernel": ms["torch"] / ms["kernel"],
+        "upcast_over_kernel": ms["upcast"] / ms["kernel"],
+        "weight_GB_per_s": {name: weight_bytes / t / 1e6 for name, t in ms.items()},
+        "GFLOP_per_s": {name: flops / t / 1e6 for name, t in ms.items()},
+        "max_abs_difference_from_float32": differences,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64, 128, 256, 512])
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    if not bf16_gemm.available():
+        raise SystemExit("the bf16_gemm kernel is not built here (it needs AVX-512 and gcc)")
+
+    llm = build_in_ended_thread(lambda: LLM(dtype="bfloat16", enable_prefix_caching=False))
+    weights = [w.detach() for w in gemm_weights(llm.engine.model)]
+    gemms = []
+    for rows in args.rows:
+        gemms.append(step_gemms(weights, rows, args.rounds))
+        print(f"gemms: {gemms[-1]}", flush=True)
+    report = {
+        "threads": torch.get_num_threads(),
+        "step_gemms": gemms,
+        "step_bfloat16_eager": alternate_steps(
+            llm,
+            args.concurrency,
+            args.rounds,
+            {
+                "kernel": lambda: linear.set_bfloat16_kernel(linear.BFLOAT16_KERNEL_MAX_ROWS),
+                "torch": lambda: linear.set_bfloat16_kernel(None),
+            },
+        ),
+    }
+    write_json(RESULTS / "bf16_gemm.json", report, script_command(__file__))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Decode attention on CPU: the cpu backend (``cpu_decode.c``) against the torch backend.
+
+Two measurements, each alternating between the two backends in one process:
+
+- one layer's attention for ``c`` decodes of 40-700-token contexts (random block tables over a
+  shared pool, SmolLM2's 9 query and 3 KV heads of 64), both dtypes, with the largest
+  difference between the outputs;
+- the engine's whole decode step (bfloat16) with ``c`` requests of such prompts decoding,
+  one engine per backend, rounds of steps alternating between them.
+
+    python benchmarks/decode_attention.py --concurrency 1 16 64
+
+Writes ``benchmarks/results/decode_attention.json`` with the CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from llmpool.bench.launch import build_in_ended_thread
+from llmpool.bench.results import RESULTS, script_command, write_json
+from llmpool.bench.steps import (
+    CONTEXT,
+    ENDLESS,
+    alternating_step_ms,
+    random_prompts,
+    start_decoding,
+)
+from llmpool.engine import LLM
+from llmpool.engine.attention import CPU, TORCH, AttentionMetadata, Backend
+
+BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 9, 3, 64
+
+
+def decode_batch(concurrency: int, seed: int) -> AttentionMetadata:
+    rng = random.Random(seed)
+    lens = [rng.randint(*CONTEXT) for _ in range(concurrency)]
+    blocks = [-(-n // BLOCK_SIZE) for n in lens]
+    physical = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(seed))
+    tables = torch.zeros(concurrency, max(blocks), dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(blocks):
+        tables[row, :count] = physical[start : start + count]
+        start += count
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(concurrency, dtype=torch.int64),
+        query_start_loc=torch.arange(concurrency + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=max(lens),
+        block_size=BLOCK_SIZE,
+    )
+
+
+def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
+    meta = decode_batch(concurrency, seed=concurrency)
+    num_blocks = int(meta.block_tables.max()) + 1
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key_cache, value_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    query = torch.randn(concurrency, NUM_HEADS, HEAD_DIM).to(dtype)
+    backends: dict[str, Backend] = {"torch": TORCH, "cpu": CPU}
+    plans = {name: backend.plan(meta) for name, backend in backends.items()}
+    outputs = {}
+
+    def attend(name: str) -> Callable[[], None]:
+        def run() -> None:
+            outputs[name] = backends[name].paged_attention(
+                query, key_cache, value_cache, plans[name], HEAD_DIM**-0.5
+            )
+
+        return run
+
+    ms = alternating_step_ms({name: attend(name) for name in backends}, rounds, steps=10)
+    medians = {name: value * 1e3 for name, value in ms.items()}
+    return {
+        "us": medians,
+        "torch_over_cpu": medians["torch"] / medians["cpu"],
+        "max_abs_difference": float(
+            (outputs["torch"].float() - outputs["cpu"].float()).abs().max()
+        ),
+    }
+
+
+def step_milliseconds(concurrencies: list[int], rounds: int) -> list[dict[str, Any]]:
+    engines = build_in_ended_thread(
+        lambda: {
+            name: LLM(dtype="bfloat16", enable_prefix_caching=False, attention_backend=name)
+            for name in ("torch", "cpu")
+        }
+    )
+    rows = []
+    for concurrency in concurrencies:
+        prompts = random_prompts(concurrency)
+        ids = [f"{concurrency}-{index}" for index in range(concurrency)]
+        for llm in engines.values():
+            start_decoding(llm.engine, ids, prompts, ENDLESS)
+        medians = alternating_step_ms(
+            {name: llm.engine.step for name, llm in engines.items()}, rounds, steps=4
+        )
+        for llm in engines.values():
+            llm.engine.abort_requests(ids)
+        rows.append(
+            {
+                "concurrency": concurrency,
+                "step_ms": medians,
+                "torch_over_cpu": medians["torch"] / medians["cpu"],
+            }
+        )
+        print(f"step c={concurrency}: {rows[-1]}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    layers = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for concurrency in args.concurrency:
+            row = {"dtype": str(dtype).removeprefix("torch."), "concurrency": concurrency}
+            row |= layer_microseconds(concurrency, dtype, args.rounds)
+            layers.append(row)
+            print(f"layer: {row}", flush=True)
+    report = {
+        "threads": torch.get_num_threads(),
+        "layer": layers,
+        "step_bfloat16": step_milliseconds(args.concurrency, args.rounds),
+    }
+    write_json(RESULTS / "decode_attention.json", report, script_command(__file__))
+
+
+if __name__ == "__main__":
+    main()

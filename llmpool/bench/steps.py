@@ -1,0 +1,123 @@
+"""Timing engine steps and their GEMMs, the way the kernel and decode-step benchmarks compare
+two or more ways of doing the same work.
+
+Ways are alternated round by round (never all rounds of one, then all of the other) so that load
+from outside the run falls on every way alike; each reports its median.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from llmpool.engine import LLM, SamplingParams
+from llmpool.engine.engine_core import EngineCore
+from llmpool.engine.models.llama import LlamaForCausalLM
+
+CONTEXT = (40, 700)  # tokens of context per decoding request in the kernel benchmarks
+ENDLESS = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+
+Operand = TypeVar("Operand")
+
+
+def gemm_weights(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """The weights of every GEMM of a step, in order (the dense ones: unquantized models)."""
+    weights = []
+    for layer in model.layers:
+        for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            weights.append(proj.weight)
+    weights.append(model.lm_head)
+    return weights
+
+
+def random_prompts(concurrency: int) -> list[list[int]]:
+    """``concurrency`` prompts of random token ids, ``CONTEXT`` tokens long, seeded by it."""
+    rng = random.Random(concurrency)
+    return [
+        [rng.randrange(100, 40_000) for _ in range(rng.randint(*CONTEXT))]
+        for _ in range(concurrency)
+    ]
+
+
+def start_decoding(
+    core: EngineCore, ids: Sequence[str], prompts: Sequence[list[int]], params: SamplingParams
+) -> None:
+    """Add one request per id and step until every one has finished its prompt."""
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        core.add_request(request_id, prompt, params)
+    while core.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
+    ):
+        core.step()
+
+
+def alternating_step_ms(
+    steppers: Mapping[str, Callable[[], object]],
+    rounds: int,
+    steps: int,
+    before: Mapping[str, Callable[[], object]] | None = None,
+) -> dict[str, float]:
+    """Median ms per step of each stepper: ``rounds`` rounds, each running every stepper
+    ``steps`` times in turn (after its untimed ``before``, if any)."""
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(rounds):
+        for name, step in steppers.items():
+            if before:
+                before[name]()
+            started = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[name].append((time.perf_counter() - started) / steps * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def alternate_steps(
+    llm: LLM, concurrencies: list[int], rounds: int, choices: dict[str, Callable[[], None]]
+) -> list[dict[str, Any]]:
+    """Median step time of ``llm`` at each concurrency under each of ``choices`` (name ->
+    what switches to it), rounds of 4 steps alternating between them; the first choice is
+    left on."""
+    core = llm.engine
+    first, second = choices
+    rows = []
+    for concurrency in concurrencies:
+        ids = [f"{concurrency}-{index}" for index in range(concurrency)]
+        start_decoding(core, ids, random_prompts(concurrency), ENDLESS)
+        medians = alternating_step_ms(
+            {name: core.step for name in choices}, rounds, steps=4, before=choices
+        )
+        core.abort_requests(ids)
+        rows.append(
+            {
+                "concurrency": concurrency,
+                "step_ms": medians,
+                f"{second}_over_{first}": medians[second] / medians[first],
+            }
+        )
+        print(f"step c={concurrency}: {rows[-1]}", flush=True)
+    choices[first]()
+    return rows
+
+
+def gemm_ms(
+    operands: Sequence[Operand],
+    ways: dict[str, Callable[[torch.Tensor, Operand], object]],
+    input_for: Callable[[Operand], torch.Tensor],
+    rounds: int,
+) -> dict[str, float]:
+    """Median ms of each way run over every operand in turn (``way(input_for(op), op)``),
+    ``rounds`` rounds alternating between ways after one that warms up."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    with torch.inference_mode():
+        for _ in range(rounds + 1):
+            for name, way in ways.items():
+                started = time.perf_counter()
+                for operand in operands:
+                    way(input_for(operand), operand)
+                times[name].append((time.perf_counter() - started) * 1e3)
+    return {name: statistics.median(values[1:]) for name, values in times.items()}
