@@ -23,10 +23,12 @@ from kubernetes.client import ApiException
 
 from llmpool.fleet_key import FleetKey, pool_engine_key
 from llmpool.load import DEMAND_PRUNE_SECONDS, Demand
-from llmpool.operator import admission, fingerprints, handlers, kube
+from llmpool.operator import admission, fingerprints, handlers, kube, observe, plan
 from llmpool.operator.children import ChildView, child_view
 from llmpool.operator.drift import Fingerprint
 from llmpool.operator.fingerprints import FingerprintReport
+from llmpool.operator.indexes import Indexed
+from llmpool.operator.views import pod_view
 
 NAMESPACE = "team"
 UID = "uid-pool"
@@ -161,7 +163,7 @@ async def converge(
         name=api.pool["metadata"]["name"],
         uid=UID,
         memo=memo,
-        observed=handlers.Observed(
+        indexes=Indexed(
             pods=[],
             deployment=None,
             children=children,
@@ -206,7 +208,7 @@ async def test_a_timer_pass_never_writes_an_older_spec_after_an_update(api):
 
 async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkeypatch):
     events = capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
     memo = kopf.Memo()
     await converge(api, memo)
     assert {kind for kind, _ in api.writes} == {
@@ -238,7 +240,7 @@ async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkey
         name="smollm2-chat",
         uid=UID,
         memo=memo,
-        observed=handlers.Observed(pods=[], deployment=None, children=live),
+        indexes=Indexed(pods=[], deployment=None, children=live),
     )
     assert [kind for kind, _ in api.writes[quiet:]] == [
         "Service",
@@ -307,13 +309,13 @@ async def test_an_autoscaled_pool_scales_from_zero_on_demand_without_a_restore_w
     api, monkeypatch
 ):
     events = capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
     loads: dict[str, float] = {}
 
     async def replica_loads(pods: Any) -> dict[str, float]:
         return dict(loads)
 
-    monkeypatch.setattr(handlers, "replica_loads", replica_loads)
+    monkeypatch.setattr(observe, "replica_loads", replica_loads)
     api.pool["spec"].pop("replicas", None)
     api.pool["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 3}
     memo = kopf.Memo()
@@ -343,13 +345,13 @@ async def test_a_scale_down_first_marks_the_idle_replica_cheapest_to_delete(
 ):
     """Deletion costs follow the load and are written before the Deployment is scaled down."""
     capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
     loads = {"busy": 3.0, "idle": 0.0}
 
     async def replica_loads(pods: Any) -> dict[str, float]:
         return dict(loads)
 
-    monkeypatch.setattr(handlers, "replica_loads", replica_loads)
+    monkeypatch.setattr(observe, "replica_loads", replica_loads)
     memo = kopf.Memo()
     await converge(api, memo)
     name = api.pool["metadata"]["name"]
@@ -360,12 +362,12 @@ async def test_a_scale_down_first_marks_the_idle_replica_cheapest_to_delete(
         for body in bodies:
             if body["metadata"]["name"] in costs:
                 body["metadata"]["annotations"][cost] = costs[body["metadata"]["name"]]
-        return [handlers.pod_view(body) for body in bodies]
+        return [pod_view(body) for body in bodies]
 
     async def converge_with(costs: dict[str, str]) -> None:
-        observed = handlers.Observed(pods=pods(costs), deployment=None, children=api.children())
+        observed = Indexed(pods=pods(costs), deployment=None, children=api.children())
         await handlers.converge(
-            namespace=NAMESPACE, name=name, uid=UID, memo=memo, observed=observed
+            namespace=NAMESPACE, name=name, uid=UID, memo=memo, indexes=observed
         )
 
     written = len(api.writes)
@@ -388,7 +390,7 @@ async def test_a_scale_down_first_marks_the_idle_replica_cheapest_to_delete(
 
 async def test_a_keyed_pool_gets_its_secret_before_its_deployment(api, tmp_path, monkeypatch):
     events = capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
     key_file = tmp_path / "fleet-key"
     key_file.write_text("fleet")
     memo = kopf.Memo(fleet_key=FleetKey(key_file))
@@ -413,7 +415,7 @@ async def test_a_keyed_pool_gets_its_secret_before_its_deployment(api, tmp_path,
         name="smollm2-chat",
         uid=UID,
         memo=memo,
-        observed=handlers.Observed(pods=[], deployment=None, children=live),
+        indexes=Indexed(pods=[], deployment=None, children=live),
     )
     assert [kind for kind, _ in api.writes[written:] if kind != "status"] == ["Secret"]
     (restored,) = drain(events)
@@ -481,7 +483,7 @@ async def test_a_rotated_fleet_key_rolls_the_engines_with_one_normal_event(
     api, tmp_path, monkeypatch
 ):
     events = capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
     key_file = tmp_path / "fleet-key"
     key_file.write_text("fleet")
     memo = kopf.Memo(fleet_key=FleetKey(key_file))
@@ -570,15 +572,15 @@ async def test_adapters_are_loaded_checked_and_unloaded_on_running_replicas(
     api, tmp_path, monkeypatch, make_pod
 ):
     events = capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
     offset = [0.0]
     real_monotonic = time.monotonic
-    monkeypatch.setattr(handlers.time, "monotonic", lambda: real_monotonic() + offset[0])
+    monkeypatch.setattr(observe.time, "monotonic", lambda: real_monotonic() + offset[0])
 
     async def replica_loads(pods: Any) -> dict[str, float]:
         return {}
 
-    monkeypatch.setattr(handlers, "replica_loads", replica_loads)
+    monkeypatch.setattr(observe, "replica_loads", replica_loads)
     key_file = tmp_path / "fleet-key"
     key_file.write_text("fleet")
     policy = admission.Policy(
@@ -607,12 +609,12 @@ async def test_adapters_are_loaded_checked_and_unloaded_on_running_replicas(
         )
         for body in bodies:
             body["metadata"]["annotations"]["llmpool.dev/adapter-roots"] = roots
-        return [handlers.pod_view(body) for body in bodies]
+        return [pod_view(body) for body in bodies]
 
     async def converge_with(restarts: int = 0) -> None:
-        observed = handlers.Observed(pods=pods(restarts), deployment=None, children=api.children())
+        observed = Indexed(pods=pods(restarts), deployment=None, children=api.children())
         await handlers.converge(
-            namespace=NAMESPACE, name=name, uid=UID, memo=memo, observed=observed
+            namespace=NAMESPACE, name=name, uid=UID, memo=memo, indexes=observed
         )
 
     def condition(kind: str) -> tuple[str, str]:
