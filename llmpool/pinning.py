@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 PINNED_KEYS = (
@@ -119,16 +119,9 @@ class PinnedSettings:
 
     def pinned(self, chat_template: str | None) -> dict[str, Any]:
         """The pinned dict; ``chat_template`` is the text pods will mount."""
-        return pinned_fields(
-            source=engine_model_argument(self.source, self.revision),
-            revision=self.revision,
-            served_name=self.served_name,
-            chat_template=chat_template,
-            quantization=self.quantization,
-            kv_cache_dtype=self.kv_cache_dtype,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-        )
+        # The fields are pinned_fields' arguments; the engine knows the model by its argument.
+        settings = asdict(self) | {"source": engine_model_argument(self.source, self.revision)}
+        return pinned_fields(**settings, chat_template=chat_template)
 
 
 def pinned_from_spec(spec: Mapping[str, Any], chat_template: str | None) -> dict[str, Any]:

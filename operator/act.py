@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import kopf
@@ -36,36 +36,41 @@ class ChildRejected(Exception):
     """The API server refused a rendered child (422): retrying the same spec cannot help."""
 
 
-def post(body: kopf.Body, events: Sequence[Event]) -> None:
-    for event in events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+@dataclass(frozen=True)
+class Pass:
+    """One pass's inputs, kept to plan again with one more answer, and where it reports."""
+
+    body: kopf.Body  # the live pool: what Events are about
+    pool: PoolObject
+    observed: Observed
+    state: PoolState
+    policy: admission.Policy
+    remember: Remember  # also called when a call fails midway, with what was applied by then
+
+    def plan(self, observed: Observed, state: PoolState) -> Plan:
+        return plan(self.pool, observed, state, policy=self.policy)
+
+    def post(self, events: Sequence[Event]) -> None:
+        for event in events:
+            kopf.event(self.body, type=event.type, reason=event.reason, message=event.message)
 
 
-async def act(
-    body: kopf.Body,
-    pool: PoolObject,
-    observed: Observed,
-    state: PoolState,
-    planned: Plan,
-    policy: admission.Policy,
-    remember: Remember,
-) -> None:
-    """Carry out ``planned``, made from ``observed`` and ``state``; ``remember`` keeps the
-    pool's next state, also when a call fails midway (with what was applied by then)."""
-    remember(planned.state)
+async def act(run: Pass, planned: Plan) -> None:
+    """Carry out ``planned``, the plan of ``run``, in its order."""
+    pool = run.pool
+    run.remember(planned.state)
     await write_deletion_costs(pool.namespace, planned.deletion_costs)
-    planned = await apply_children(body, pool, observed, state, planned, policy, remember)
-    remember(planned.state)
-    post(body, planned.events)
+    planned = await apply_children(run, planned)
+    run.remember(planned.state)
+    run.post(planned.events)
     if planned.status_patch:
         await kube.patch_pool_status(pool.namespace, pool.name, planned.status_patch)
-    post(body, planned.transition_events)
+    run.post(planned.transition_events)
     set_metrics(pool, planned)
     for pod, uid in planned.pods_to_delete:
         if await kube.delete_pod(pool.namespace, pod, uid):
             metrics.RECREATED_PODS.labels(pool.namespace, pool.name).inc()
-            message = f"deleted drifted pod {pod}"
-            post(body, [Event("Warning", "RecreatingDriftedPod", message)])
+            run.post([Event("Warning", "RecreatingDriftedPod", f"deleted drifted pod {pod}")])
     await prune_demand(pool.namespace, pool.name, planned.stale_demand)
 
 
@@ -79,38 +84,31 @@ async def write_deletion_costs(namespace: str, costs: Mapping[str, str]) -> None
             )
 
 
-async def apply_children(
-    body: kopf.Body,
-    pool: PoolObject,
-    observed: Observed,
-    state: PoolState,
-    planned: Plan,
-    policy: admission.Policy,
-    remember: Remember,
-) -> Plan:
+async def apply_children(run: Pass, planned: Plan) -> Plan:
     """Apply the plan's children in order, each ``*Restored`` warning right after its child;
     the plan to go on with (planned again when a conflict or a rejection blocked the apply)."""
     if not planned.children:
         return planned
+    pool, observed = run.pool, run.observed
     conflicts = await find_conflicts(pool.uid, pool.namespace, planned.children, observed.children)
     if conflicts:
         blocked = replace(observed, conflict=ownership.conflict_message(conflicts))
-        return plan(pool, blocked, state, policy=policy)
+        return run.plan(blocked, run.state)
     applied = planned.state
     try:
         for child in planned.children:
             await apply(child.body)
             if child.restored:
-                kind = child.body["kind"]
-                post(body, [Event("Warning", f"{kind}Restored", child.restored)])
-        post(body, planned.applied_events)
+                run.post([Event("Warning", f"{child.body['kind']}Restored", child.restored)])
+        run.post(planned.applied_events)
     except ChildRejected as error:
         assert planned.digest is not None  # children are only rendered with a pin
         rejected = Rejection(pool.generation, planned.digest, str(error))
-        again = replace(state, rejected=rejected, applied_at=time.monotonic())
-        return plan(pool, observed, again, policy=policy)
+        return run.plan(
+            observed, replace(run.state, rejected=rejected, applied_at=time.monotonic())
+        )
     finally:
-        remember(replace(applied, applied_at=time.monotonic()))
+        run.remember(replace(applied, applied_at=time.monotonic()))
     return replace(planned, state=replace(applied, applied_at=time.monotonic()))
 
 

@@ -21,7 +21,7 @@ import kopf
 
 from llmpool.fleet_key import FleetKey
 from llmpool.operator import admission, kube, metrics, naming
-from llmpool.operator.act import act
+from llmpool.operator.act import Pass, act
 from llmpool.operator.indexes import CHILD_WATCH_LABELS, Indexed, indexed
 from llmpool.operator.observe import observe_pool
 from llmpool.operator.plan import PoolObject, plan
@@ -137,12 +137,12 @@ async def reconcile_pass(body: kopf.Body, memo: kopf.Memo, indexes: Indexed) -> 
     fleet = memo.get("fleet_key")
     fleet = fleet if isinstance(fleet, FleetKey) else None
     observed = await observe_pool(pool, indexes, state, policy, fleet)
-    planned = plan(pool, observed, state, policy=policy)
 
     def remember(next_state: PoolState) -> None:
         memo[POOL_STATE] = next_state
 
-    await act(body, pool, observed, state, planned, policy, remember)
+    run = Pass(body, pool, observed, state, policy, remember)
+    await act(run, plan(pool, observed, state, policy=policy))
 
 
 @kopf.on.resume(naming.GROUP, naming.VERSION, naming.PLURAL)
