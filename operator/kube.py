@@ -53,7 +53,10 @@ _CHILD_APIS: dict[str, tuple[Callable[[], Any], str]] = {
     "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
 }
 # An LLMPoolDemand's calls, by verb, on CustomObjectsApi.
-_DEMAND_METHODS = {"patch": "patch_namespaced_custom_object", "read": "get_namespaced_custom_object"}
+_DEMAND_METHODS = {
+    "patch": "patch_namespaced_custom_object",
+    "read": "get_namespaced_custom_object",
+}
 
 
 def _child_call(kind: str, verb: str) -> Callable[..., Any]:

@@ -54,6 +54,7 @@ async def observe_pool(
     fleet: FleetKey | None,
 ) -> Observed:
     pods = owned_pods(indexed.pods, naming.deployment_name(pool.name))
+    loads = await replica_loads(pods)
     observed = Observed(
         pods=pods,
         deployment=indexed.deployment,
@@ -62,7 +63,7 @@ async def observe_pool(
         children=indexed.children,
         demand=indexed.demand,
         served_name_claims=indexed.served_name_claims,
-        loads=await replica_loads(pods),
+        loads=loads,
     )
     if admission.refusal(pool.spec, policy) is not None:
         return observed  # nothing is rendered, nothing checked

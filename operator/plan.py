@@ -27,7 +27,7 @@ from llmpool.operator.conditions import Event
 from llmpool.operator.pool_load import deletion_costs, pool_demand
 from llmpool.operator.pool_state import CheckSignature, PoolState, Rejection
 from llmpool.operator.served_names import rivals
-from llmpool.operator.sizing import size_pool
+from llmpool.operator.sizing import Sizing, size_pool
 from llmpool.operator.spec import PoolSpec
 from llmpool.operator.views import DeploymentView, PodView
 
@@ -49,18 +49,21 @@ class PoolObject:
     generation: int
     spec: PoolSpec
     status: Mapping[str, Any]
+    sizing: Sizing  # the spec's capacity and the problems that make it impossible
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PoolObject:
         metadata = body["metadata"]
+        spec = PoolSpec.from_dict(body["spec"])
         return cls(
             body=body,
             namespace=metadata["namespace"],
             name=metadata["name"],
             uid=metadata["uid"],
             generation=metadata.get("generation", 0),
-            spec=PoolSpec.from_dict(body["spec"]),
+            spec=spec,
             status=body.get("status") or {},
+            sizing=size_pool(spec),
         )
 
     @property
@@ -356,7 +359,7 @@ def _apply_children(
                 generation=pool.generation,
                 pinned=pinned,
                 digest=digest,
-                capacity=size_pool(pool.spec).capacity,
+                capacity=pool.sizing.capacity,
             )
         )
     if scaling is not None and scaling.changed:
@@ -406,7 +409,7 @@ def _reconciled_events(pool: PoolObject, pinned: Mapping[str, Any], digest: str)
         changed = [key for key in pinning.PINNED_KEYS if before.get(key) != pinned.get(key)]
         message = f"pinned {', '.join(changed or ['digest'])} changed: rolling to {digest}"
         events.append(Event("Normal", "RolloutStarted", message))
-    for problem in size_pool(pool.spec).problems:
+    for problem in pool.sizing.problems:
         events.append(Event("Warning", "ImpossibleSpec", problem))
     return events
 
@@ -496,7 +499,7 @@ def _status(
         digest=applying.digest or "",
         deployment=observed.deployment,
         pods=observed.pods,
-        problems=[*size_pool(pool.spec).problems, *applying.problems],
+        problems=[*pool.sizing.problems, *applying.problems],
         drift=None if check is None else check.entries,
         checked_replicas=0 if check is None else check.checked,
         adapters=None if check is None else check.adapters,
