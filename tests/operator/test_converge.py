@@ -383,11 +383,17 @@ async def test_a_scale_down_first_marks_the_idle_replica_cheapest_to_delete(
     assert pods_written == [{"name": "idle", "annotations": {cost: "2"}}]
 
 
-async def test_a_keyed_pool_gets_its_secret_before_its_deployment(api, tmp_path, monkeypatch):
-    events = capture_events()
+@pytest.fixture
+def key_file(tmp_path, monkeypatch) -> Any:
+    """A fleet key file (the operator re-reads it every pass); no restore grace."""
     monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
-    key_file = tmp_path / "fleet-key"
-    key_file.write_text("fleet")
+    path = tmp_path / "fleet-key"
+    path.write_text("fleet")
+    return path
+
+
+async def test_a_keyed_pool_gets_its_secret_before_its_deployment(api, key_file):
+    events = capture_events()
     memo = kopf.Memo(fleet_key=FleetKey(key_file))
     await converge(api, memo)
     kinds = [kind for kind, _ in api.writes if kind != "status"]
@@ -468,13 +474,8 @@ def drain(queue: asyncio.Queue[Any]) -> list[Any]:
     return found
 
 
-async def test_a_rotated_fleet_key_rolls_the_engines_with_one_normal_event(
-    api, tmp_path, monkeypatch
-):
+async def test_a_rotated_fleet_key_rolls_the_engines_with_one_normal_event(api, key_file, tmp_path):
     events = capture_events()
-    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
-    key_file = tmp_path / "fleet-key"
-    key_file.write_text("fleet")
     memo = kopf.Memo(fleet_key=FleetKey(key_file))
     await converge(api, memo)
     drain(events)
