@@ -219,6 +219,8 @@ class _Applying:
 def plan(
     pool: PoolObject, observed: Observed, state: PoolState, *, policy: admission.Policy
 ) -> Plan:
+    """The pass for ``pool`` as ``observed``, with its memory ``state``, under the operator's
+    admission ``policy``. The same inputs give the same plan."""
     refusal = admission.refusal(pool.spec, policy)
     scaling = None
     if refusal is None and pool.spec.autoscaling is not None:
