@@ -2,8 +2,10 @@
 
 Both sides import this module: the engine reports ``pinned_from_engine_args(...)`` at
 ``GET /fingerprint`` and the operator annotates pod templates with the digest of
-``pinned_from_spec(...)``. Drift detection is only sound while the two build the same dict, so
-they share one constructor, ``pinned_fields``. Standard library only: the engine imports it.
+``PinnedSettings.pinned(...)``. Drift detection is only sound while the two build the same dict,
+so they share one constructor, ``pinned_fields``. ``PinnedSettings.from_spec`` is the one
+reader of an LLMPool spec's pinned fields (the operator's ``PoolSpec`` holds one). Standard
+library only: the engine imports it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 PINNED_KEYS = (
@@ -88,20 +91,42 @@ def engine_model_argument(source: str, revision: str) -> str:
     return source
 
 
+@dataclass(frozen=True)
+class PinnedSettings:
+    """The pinned settings of an LLMPool spec, with the CRD's defaults for those left out."""
+
+    source: str
+    revision: str
+    served_name: str
+    quantization: str = DEFAULT_QUANTIZATION
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> PinnedSettings:
+        model = spec["model"]
+        engine = spec.get("engine") or {}
+        return cls(
+            source=model["source"],
+            revision=model["revision"],
+            served_name=model.get("servedName") or default_served_name(model["source"]),
+            quantization=spec.get("quantization", DEFAULT_QUANTIZATION),
+            kv_cache_dtype=spec.get("kvCacheDtype", DEFAULT_KV_CACHE_DTYPE),
+            max_model_len=spec.get("maxModelLen", DEFAULT_MAX_MODEL_LEN),
+            block_size=engine.get("blockSize", DEFAULT_BLOCK_SIZE),
+        )
+
+    def pinned(self, chat_template: str | None) -> dict[str, Any]:
+        """The pinned dict; ``chat_template`` is the text pods will mount."""
+        # The fields are pinned_fields' arguments; the engine knows the model by its argument.
+        settings = asdict(self) | {"source": engine_model_argument(self.source, self.revision)}
+        return pinned_fields(**settings, chat_template=chat_template)
+
+
 def pinned_from_spec(spec: Mapping[str, Any], chat_template: str | None) -> dict[str, Any]:
     """The pinned dict of an LLMPool ``spec``; ``chat_template`` is the text pods will mount."""
-    model = spec["model"]
-    engine = spec.get("engine") or {}
-    return pinned_fields(
-        source=engine_model_argument(model["source"], model["revision"]),
-        revision=model["revision"],
-        served_name=model.get("servedName") or default_served_name(model["source"]),
-        chat_template=chat_template,
-        quantization=spec.get("quantization"),
-        kv_cache_dtype=spec.get("kvCacheDtype"),
-        max_model_len=spec.get("maxModelLen", DEFAULT_MAX_MODEL_LEN),
-        block_size=engine.get("blockSize"),
-    )
+    return PinnedSettings.from_spec(spec).pinned(chat_template)
 
 
 def pinned_from_engine_args(

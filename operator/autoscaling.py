@@ -22,12 +22,15 @@ decides exactly as the one before it.
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from llmpool.operator.spec import AutoscalingSpec
+
+logger = logging.getLogger(__name__)
 
 SCALED_UP = "ScaledUp"
 SCALED_DOWN = "ScaledDown"
@@ -78,6 +81,24 @@ class ScalerState:
             if value is not None:
                 status[key] = _rfc3339(value)
         return status
+
+    @classmethod
+    def kept_or_initial(
+        cls,
+        kept: Mapping[str, Any] | None,
+        spec: AutoscalingSpec,
+        current: int | None,
+        *,
+        pool: str,
+    ) -> ScalerState:
+        """The state kept in ``status.autoscaling``; ``initial`` when there is none, or none
+        readable (logged: the window starts over)."""
+        if kept:
+            try:
+                return cls.from_status(kept)
+            except (KeyError, TypeError, ValueError) as error:
+                logger.warning("%s: unreadable status.autoscaling, starting over: %r", pool, error)
+        return cls.initial(spec, current)
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any]) -> ScalerState:
@@ -140,13 +161,19 @@ def _plural(count: int) -> str:
     return f"{count} replica" + ("" if count == 1 else "s")
 
 
+def _replicas_for(spec: AutoscalingSpec, samples: tuple[Sample, ...]) -> int:
+    """The replicas the samples' average load asks for (unbounded)."""
+    average = sum(s.load for s in samples) / len(samples)
+    return math.ceil(round(average / spec.target_in_flight_per_replica, 6))
+
+
 def decide(
     spec: AutoscalingSpec, state: ScalerState, *, now: int, load: float, hold_down: bool = False
 ) -> Decision:
     """One pass: ``load`` is the pool's demand now; ``hold_down`` forbids scaling down."""
     window = _window(spec, state, now, load)
     average = sum(s.load for s in window) / len(window)
-    wanted = math.ceil(round(average / spec.target_in_flight_per_replica, 6))
+    wanted = _replicas_for(spec, window)
     bounded = min(max(wanted, spec.min_replicas), spec.max_replicas)
     current = state.desired
     seen = (
@@ -178,10 +205,7 @@ def decide(
         return change(1, SCALED_FROM_ZERO, f"{load:g} requests wait for a replica")
     # The last few samples must agree with the whole window, so that a spike (or a lull)
     # shorter than the stabilization time (or the delay) restarts its clock instead of scaling.
-    recent = window[-RECENT_SAMPLES:]
-    now_wanted = math.ceil(
-        round(sum(s.load for s in recent) / len(recent) / spec.target_in_flight_per_replica, 6)
-    )
+    now_wanted = _replicas_for(spec, window[-RECENT_SAMPLES:])
     if bounded > current and now_wanted > current:
         since = state.above_since if state.above_since is not None else now
         due = since + spec.scale_up_stabilization_seconds

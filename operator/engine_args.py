@@ -29,7 +29,7 @@ def engine_args(spec: PoolSpec) -> list[str]:
         "--served-model-name", spec.served_name,
         "--revision", spec.revision,
         "--max-model-len", str(spec.max_model_len),
-        "--block-size", str(engine.block_size),
+        "--block-size", str(spec.pin.block_size),
         "--kv-cache-dtype", spec.kv_cache_dtype,
         "--max-num-seqs", str(engine.max_num_seqs),
         "--max-num-batched-tokens", str(engine.max_num_batched_tokens),

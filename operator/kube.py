@@ -44,34 +44,28 @@ def _demand_call(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _appliers() -> dict[str, Callable[..., Any]]:
-    core = kubernetes.client.CoreV1Api()
-    apps = kubernetes.client.AppsV1Api()
-    policy = kubernetes.client.PolicyV1Api()
-    custom = kubernetes.client.CustomObjectsApi()
-    return {
-        "ConfigMap": core.patch_namespaced_config_map,
-        "Secret": core.patch_namespaced_secret,
-        "Service": core.patch_namespaced_service,
-        "PodDisruptionBudget": policy.patch_namespaced_pod_disruption_budget,
-        "Deployment": apps.patch_namespaced_deployment,
-        naming.DEMAND_KIND: _demand_call(custom.patch_namespaced_custom_object),
-    }
+# The client of each child kind, and the kind's name in that client's method names.
+_CHILD_APIS: dict[str, tuple[Callable[[], Any], str]] = {
+    "ConfigMap": (kubernetes.client.CoreV1Api, "namespaced_config_map"),
+    "Secret": (kubernetes.client.CoreV1Api, "namespaced_secret"),
+    "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
+    "PodDisruptionBudget": (kubernetes.client.PolicyV1Api, "namespaced_pod_disruption_budget"),
+    "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
+}
+# An LLMPoolDemand's calls, by verb, on CustomObjectsApi.
+_DEMAND_METHODS = {
+    "patch": "patch_namespaced_custom_object",
+    "read": "get_namespaced_custom_object",
+}
 
 
-def _readers() -> dict[str, Callable[..., Any]]:
-    core = kubernetes.client.CoreV1Api()
-    apps = kubernetes.client.AppsV1Api()
-    policy = kubernetes.client.PolicyV1Api()
-    custom = kubernetes.client.CustomObjectsApi()
-    return {
-        "ConfigMap": core.read_namespaced_config_map,
-        "Secret": core.read_namespaced_secret,
-        "Service": core.read_namespaced_service,
-        "PodDisruptionBudget": policy.read_namespaced_pod_disruption_budget,
-        "Deployment": apps.read_namespaced_deployment,
-        naming.DEMAND_KIND: _demand_call(custom.get_namespaced_custom_object),
-    }
+def _child_call(kind: str, verb: str) -> Callable[..., Any]:
+    """``verb`` ("patch" or "read") of a child of ``kind``, called as (name, namespace, ...)."""
+    if kind == naming.DEMAND_KIND:
+        custom = kubernetes.client.CustomObjectsApi()
+        return _demand_call(getattr(custom, _DEMAND_METHODS[verb]))
+    api, resource = _CHILD_APIS[kind]
+    return cast(Callable[..., Any], getattr(api(), f"{verb}_{resource}"))
 
 
 async def apply(obj: dict[str, Any]) -> None:
@@ -79,7 +73,7 @@ async def apply(obj: dict[str, Any]) -> None:
 
     Forced, because the fields are the operator's own; that it applies only objects it
     controls is checked before (``ownership.conflicts``)."""
-    patch = _appliers()[obj["kind"]]
+    patch = _child_call(obj["kind"], "patch")
     metadata = obj["metadata"]
     await asyncio.to_thread(
         patch,
@@ -95,7 +89,7 @@ async def apply(obj: dict[str, Any]) -> None:
 
 async def read_metadata(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     """The metadata of an object of a child's kind and name, or None when there is none."""
-    read = _readers()[kind]
+    read = _child_call(kind, "read")
     try:
         found = await asyncio.to_thread(read, name, namespace, _request_timeout=REQUEST_TIMEOUT)
     except ApiException as error:

@@ -76,7 +76,7 @@ def size_pool(spec: PoolSpec) -> Sizing:
         result["message"] = "set engine.kvCacheMemory to size the KV cache per replica"
     else:
         memory = quantity_bytes(spec.engine.kv_cache_memory)
-        block_size = spec.engine.block_size
+        block_size = spec.pin.block_size
         blocks = capacity.num_kv_blocks(shape, dtype, block_size, memory)
         result["kvBlocks"] = blocks
         result["maxSequences"] = capacity.max_concurrent_sequences(

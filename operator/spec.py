@@ -59,7 +59,6 @@ class EngineSettings:
     max_num_batched_tokens: int = 2048
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | str | None = None
-    block_size: int = pinning.DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
     max_queue: int | None = None
     compile: bool = False
@@ -76,7 +75,6 @@ class EngineSettings:
                 "gpuMemoryUtilization", defaults.gpu_memory_utilization
             ),
             kv_cache_memory=engine.get("kvCacheMemory"),
-            block_size=engine.get("blockSize", defaults.block_size),
             enable_prefix_caching=engine.get("enablePrefixCaching", defaults.enable_prefix_caching),
             max_queue=engine.get("maxQueue"),
             compile=engine.get("compile", defaults.compile),
@@ -125,15 +123,10 @@ class AdapterSpec:
 
 @dataclass(frozen=True)
 class PoolSpec:
-    source: str
-    revision: str
-    served_name: str
+    pin: pinning.PinnedSettings  # the model and the settings every replica must agree on
     replicas: int = DEFAULT_REPLICAS  # ignored when autoscaling is set
     autoscaling: AutoscalingSpec | None = None
     chat_template: ChatTemplateRef | None = None
-    quantization: str = pinning.DEFAULT_QUANTIZATION
-    kv_cache_dtype: str = pinning.DEFAULT_KV_CACHE_DTYPE
-    max_model_len: int = pinning.DEFAULT_MAX_MODEL_LEN
     engine: EngineSettings = field(default_factory=EngineSettings)
     priority_class: str = DEFAULT_PRIORITY_CLASS
     max_request_priority: str | None = None  # None: priority_class
@@ -151,6 +144,30 @@ class PoolSpec:
     adapters: tuple[AdapterSpec, ...] = ()
 
     @property
+    def source(self) -> str:
+        return self.pin.source
+
+    @property
+    def revision(self) -> str:
+        return self.pin.revision
+
+    @property
+    def served_name(self) -> str:
+        return self.pin.served_name
+
+    @property
+    def quantization(self) -> str:
+        return self.pin.quantization
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.pin.kv_cache_dtype
+
+    @property
+    def max_model_len(self) -> int:
+        return self.pin.max_model_len
+
+    @property
     def lora_settings(self) -> LoraSettings | None:
         """The slots the replicas run with: ``spec.lora``, its defaults when only adapters are
         given, None when LoRA is off (neither)."""
@@ -160,14 +177,11 @@ class PoolSpec:
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> PoolSpec:
-        model = spec["model"]
         template = (spec.get("chatTemplate") or {}).get("configMapRef")
         drift = spec.get("drift") or {}
         rollout = spec.get("rollout") or {}
         return cls(
-            source=model["source"],
-            revision=model["revision"],
-            served_name=model.get("servedName") or pinning.default_served_name(model["source"]),
+            pin=pinning.PinnedSettings.from_spec(spec),
             replicas=spec.get("replicas", DEFAULT_REPLICAS),
             autoscaling=(
                 AutoscalingSpec.from_dict(spec["autoscaling"]) if spec.get("autoscaling") else None
@@ -177,9 +191,6 @@ class PoolSpec:
                 if template
                 else None
             ),
-            quantization=spec.get("quantization", pinning.DEFAULT_QUANTIZATION),
-            kv_cache_dtype=spec.get("kvCacheDtype", pinning.DEFAULT_KV_CACHE_DTYPE),
-            max_model_len=spec.get("maxModelLen", pinning.DEFAULT_MAX_MODEL_LEN),
             engine=EngineSettings.from_dict(spec.get("engine") or {}),
             priority_class=spec.get("priorityClass", DEFAULT_PRIORITY_CLASS),
             max_request_priority=spec.get("maxRequestPriority"),

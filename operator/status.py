@@ -11,7 +11,7 @@ from llmpool.operator import naming
 from llmpool.operator.admission import Refusal
 from llmpool.operator.drift import DriftEntry, drifted_pods
 from llmpool.operator.served_names import served_name_condition
-from llmpool.operator.views import DeploymentView, PodView, Termination, owned_pods
+from llmpool.operator.views import DeploymentView, PodView, Termination
 
 # The engine writes "RevisionMismatch: ..." to its termination log and exits with code 3 when
 # the model files it loads do not match spec.model.revision.
@@ -162,7 +162,7 @@ class Observation:
     replicas: int
     digest: str
     deployment: DeploymentView | None
-    pods: Sequence[PodView]
+    pods: Sequence[PodView]  # the pods of the pool's Deployment (``owned_pods``)
     problems: Sequence[str] = ()
     # None: no fingerprint check this time; keep the previous drift report.
     drift: Sequence[DriftEntry] | None = None
@@ -181,17 +181,11 @@ class Observation:
 
 
 def compute_status(
-    observation: Observation, previous: Mapping[str, Any], *, now: str
+    observation: Observation, previous: Mapping[str, Any], *, now: str, rollout: Rollout
 ) -> dict[str, Any]:
-    """The status fields the observation decides (a subset of status; merge into it)."""
-    pods = owned_pods(observation.pods, naming.deployment_name(observation.pool))
-    rollout = rollout_state(
-        observation.deployment,
-        pods,
-        digest=observation.digest,
-        replicas=observation.replicas,
-        reconciled=observation.reconciled_generation >= observation.generation,
-    )
+    """The status fields the observation decides (a subset of status; merge into it), with
+    ``rollout``: the ``rollout_state`` of the same observation."""
+    pods = observation.pods
     desired = [
         ready_condition(rollout, observation.replicas),
         progressing_condition(rollout),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmpool.operator.conditions import Condition, merge_conditions, transition_events
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
@@ -21,29 +23,24 @@ def test_new_conditions_get_the_current_time():
     }
 
 
-def test_same_status_keeps_the_transition_time_but_updates_the_rest():
-    first = merge_conditions(
-        [], [Condition("Ready", "False", "RollingOut", "0/2")], generation=1, now=T0
+@pytest.mark.parametrize(
+    ("then", "generation", "transition"),
+    [
+        (Condition("Ready", "False", "Scaling", "1/2"), 2, T0),  # same status: the rest updates
+        (Condition("Ready", "True", "AllReplicasReady", ""), 1, T1),  # a flip
+    ],
+)
+def test_the_transition_time_moves_only_on_a_flip(then, generation, transition):
+    rolling = Condition("Ready", "False", "RollingOut", "0/2")
+    before = merge_conditions([], [rolling], generation=1, now=T0)
+    [ready] = merge_conditions(before, [then], generation=generation, now=T1)
+    assert ready["lastTransitionTime"] == transition
+    assert (ready["status"], ready["reason"], ready["message"]) == (
+        then.status,
+        then.reason,
+        then.message,
     )
-    second = merge_conditions(
-        first, [Condition("Ready", "False", "Scaling", "1/2")], generation=2, now=T1
-    )
-    assert second[0]["lastTransitionTime"] == T0
-    assert (second[0]["reason"], second[0]["message"], second[0]["observedGeneration"]) == (
-        "Scaling",
-        "1/2",
-        2,
-    )
-
-
-def test_flip_moves_the_transition_time():
-    first = merge_conditions(
-        [], [Condition("Ready", "False", "RollingOut", "")], generation=1, now=T0
-    )
-    second = merge_conditions(
-        first, [Condition("Ready", "True", "AllReplicasReady", "")], generation=1, now=T1
-    )
-    assert second[0]["lastTransitionTime"] == T1
+    assert ready["observedGeneration"] == generation
 
 
 def test_order_is_stable_and_others_are_kept():

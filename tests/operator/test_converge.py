@@ -23,10 +23,12 @@ from kubernetes.client import ApiException
 
 from llmpool.fleet_key import FleetKey, pool_engine_key
 from llmpool.load import DEMAND_PRUNE_SECONDS, Demand
-from llmpool.operator import admission, fingerprints, handlers, kube
+from llmpool.operator import admission, fingerprints, handlers, kube, observe, plan
 from llmpool.operator.children import ChildView, child_view
 from llmpool.operator.drift import Fingerprint
 from llmpool.operator.fingerprints import FingerprintReport
+from llmpool.operator.indexes import Indexed
+from llmpool.operator.views import pod_view
 
 NAMESPACE = "team"
 UID = "uid-pool"
@@ -153,16 +155,20 @@ async def converge(
     observed: bool = True,
     demand: dict[str, Demand] | None = None,
     claims: dict[str, list[tuple[str, str]]] | None = None,
+    children: dict[str, ChildView] | None = None,
+    pods: list[Any] | None = None,
 ) -> None:
-    """One pass of the handler or the timer (they call the same function)."""
-    children = api.children() if observed else {}
+    """One pass of the handler or the timer (they call the same function); the indexes show
+    ``children`` (default: what the operator last wrote, unless not ``observed``)."""
+    if children is None:
+        children = api.children() if observed else {}
     await handlers.converge(
         namespace=NAMESPACE,
         name=api.pool["metadata"]["name"],
         uid=UID,
         memo=memo,
-        observed=handlers.Observed(
-            pods=[],
+        indexes=Indexed(
+            pods=pods or [],
             deployment=None,
             children=children,
             demand=demand or {},
@@ -206,7 +212,7 @@ async def test_a_timer_pass_never_writes_an_older_spec_after_an_update(api):
 
 async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkeypatch):
     events = capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
     memo = kopf.Memo()
     await converge(api, memo)
     assert {kind for kind, _ in api.writes} == {
@@ -233,13 +239,7 @@ async def test_missing_or_edited_children_are_reapplied_and_reported(api, monkey
     edited["spec"]["progressDeadlineSeconds"] = 600
     edited["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = "1"
     live["Deployment/smollm2-chat"] = ChildView("Deployment", "smollm2-chat", edited)
-    await handlers.converge(
-        namespace=NAMESPACE,
-        name="smollm2-chat",
-        uid=UID,
-        memo=memo,
-        observed=handlers.Observed(pods=[], deployment=None, children=live),
-    )
+    await converge(api, memo, children=live)
     assert [kind for kind, _ in api.writes[quiet:]] == [
         "Service",
         "PodDisruptionBudget",
@@ -307,13 +307,13 @@ async def test_an_autoscaled_pool_scales_from_zero_on_demand_without_a_restore_w
     api, monkeypatch
 ):
     events = capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
     loads: dict[str, float] = {}
 
     async def replica_loads(pods: Any) -> dict[str, float]:
         return dict(loads)
 
-    monkeypatch.setattr(handlers, "replica_loads", replica_loads)
+    monkeypatch.setattr(observe, "replica_loads", replica_loads)
     api.pool["spec"].pop("replicas", None)
     api.pool["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 3}
     memo = kopf.Memo()
@@ -343,13 +343,13 @@ async def test_a_scale_down_first_marks_the_idle_replica_cheapest_to_delete(
 ):
     """Deletion costs follow the load and are written before the Deployment is scaled down."""
     capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
     loads = {"busy": 3.0, "idle": 0.0}
 
     async def replica_loads(pods: Any) -> dict[str, float]:
         return dict(loads)
 
-    monkeypatch.setattr(handlers, "replica_loads", replica_loads)
+    monkeypatch.setattr(observe, "replica_loads", replica_loads)
     memo = kopf.Memo()
     await converge(api, memo)
     name = api.pool["metadata"]["name"]
@@ -360,13 +360,10 @@ async def test_a_scale_down_first_marks_the_idle_replica_cheapest_to_delete(
         for body in bodies:
             if body["metadata"]["name"] in costs:
                 body["metadata"]["annotations"][cost] = costs[body["metadata"]["name"]]
-        return [handlers.pod_view(body) for body in bodies]
+        return [pod_view(body) for body in bodies]
 
     async def converge_with(costs: dict[str, str]) -> None:
-        observed = handlers.Observed(pods=pods(costs), deployment=None, children=api.children())
-        await handlers.converge(
-            namespace=NAMESPACE, name=name, uid=UID, memo=memo, observed=observed
-        )
+        await converge(api, memo, pods=pods(costs))
 
     written = len(api.writes)
     update_spec(api, replicas=1)
@@ -386,11 +383,17 @@ async def test_a_scale_down_first_marks_the_idle_replica_cheapest_to_delete(
     assert pods_written == [{"name": "idle", "annotations": {cost: "2"}}]
 
 
-async def test_a_keyed_pool_gets_its_secret_before_its_deployment(api, tmp_path, monkeypatch):
+@pytest.fixture
+def key_file(tmp_path, monkeypatch) -> Any:
+    """A fleet key file (the operator re-reads it every pass); no restore grace."""
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
+    path = tmp_path / "fleet-key"
+    path.write_text("fleet")
+    return path
+
+
+async def test_a_keyed_pool_gets_its_secret_before_its_deployment(api, key_file):
     events = capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
-    key_file = tmp_path / "fleet-key"
-    key_file.write_text("fleet")
     memo = kopf.Memo(fleet_key=FleetKey(key_file))
     await converge(api, memo)
     kinds = [kind for kind, _ in api.writes if kind != "status"]
@@ -408,13 +411,7 @@ async def test_a_keyed_pool_gets_its_secret_before_its_deployment(api, tmp_path,
     edited["data"]["api-key"] = base64.b64encode(b"guessed").decode()
     live["Secret/smollm2-chat-engine-key"] = ChildView("Secret", "smollm2-chat-engine-key", edited)
     written = len(api.writes)
-    await handlers.converge(
-        namespace=NAMESPACE,
-        name="smollm2-chat",
-        uid=UID,
-        memo=memo,
-        observed=handlers.Observed(pods=[], deployment=None, children=live),
-    )
+    await converge(api, memo, children=live)
     assert [kind for kind, _ in api.writes[written:] if kind != "status"] == ["Secret"]
     (restored,) = drain(events)
     assert restored.reason == "SecretRestored" and ".data.api-key" in restored.message
@@ -477,13 +474,8 @@ def drain(queue: asyncio.Queue[Any]) -> list[Any]:
     return found
 
 
-async def test_a_rotated_fleet_key_rolls_the_engines_with_one_normal_event(
-    api, tmp_path, monkeypatch
-):
+async def test_a_rotated_fleet_key_rolls_the_engines_with_one_normal_event(api, key_file, tmp_path):
     events = capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
-    key_file = tmp_path / "fleet-key"
-    key_file.write_text("fleet")
     memo = kopf.Memo(fleet_key=FleetKey(key_file))
     await converge(api, memo)
     drain(events)
@@ -566,19 +558,52 @@ def adapter_spec(name: str) -> dict[str, str]:
     return {"name": name, "source": f"file:///var/lib/adapters/{name}", "revision": REV[name]}
 
 
-async def test_adapters_are_loaded_checked_and_unloaded_on_running_replicas(
-    api, tmp_path, monkeypatch, make_pod
-):
-    events = capture_events()
-    monkeypatch.setattr(handlers, "RESTORE_GRACE_SECONDS", 0)
-    offset = [0.0]
-    real_monotonic = time.monotonic
-    monkeypatch.setattr(handlers.time, "monotonic", lambda: real_monotonic() + offset[0])
+class AdapterPool:
+    """A pool with adapters `a` and `b` on two running replicas (FakeEngines), reconciled once;
+    ``converge`` runs a pass with the replicas in the indexes (``p2`` restarted ``restarts``
+    times), ``offset`` moves the operator's clock."""
+
+    def __init__(self, api: FakeApi, memo: kopf.Memo, make_pod: Any) -> None:
+        self.api, self.memo, self.make_pod = api, memo, make_pod
+        self.name = api.pool["metadata"]["name"]
+        self.template = api.deployments()[-1]["spec"]["template"]
+        self.roots = self.template["metadata"]["annotations"]["llmpool.dev/adapter-roots"]
+        self.digest = api.pool["status"]["pinnedDigest"]
+        self.engines = FakeEngines(self.digest, {f"/var/lib/adapters/{n}": REV[n] for n in REV})
+        self.offset = [0.0]
+
+    def pods(self, restarts: int) -> list[Any]:
+        replica_set = f"{self.name}-5c8d9f"
+        bodies = [
+            self.make_pod("p1", digest=self.digest, replica_set=replica_set),
+            self.make_pod(
+                "p2", digest=self.digest, replica_set=replica_set, restart_count=restarts
+            ),
+        ]
+        for body in bodies:
+            body["metadata"]["annotations"]["llmpool.dev/adapter-roots"] = self.roots
+        return [pod_view(body) for body in bodies]
+
+    async def converge(self, restarts: int = 0) -> None:
+        await converge(self.api, self.memo, pods=self.pods(restarts))
+
+    def condition(self, kind: str) -> tuple[str, str]:
+        found = next(c for c in self.api.pool["status"]["conditions"] if c["type"] == kind)
+        return found["status"], found["reason"]
+
+    def serving(self) -> dict[str, list[str]]:
+        return {a["name"]: a["replicas"] for a in self.api.pool["status"].get("adapters", [])}
+
+
+@pytest.fixture
+async def adapter_pool(api, tmp_path, monkeypatch, make_pod) -> AdapterPool:
+    capture_events()  # the tests capture their own
+    monkeypatch.setattr(plan, "RESTORE_GRACE_SECONDS", 0)
 
     async def replica_loads(pods: Any) -> dict[str, float]:
         return {}
 
-    monkeypatch.setattr(handlers, "replica_loads", replica_loads)
+    monkeypatch.setattr(observe, "replica_loads", replica_loads)
     key_file = tmp_path / "fleet-key"
     key_file.write_text("fleet")
     policy = admission.Policy(
@@ -588,79 +613,67 @@ async def test_adapters_are_loaded_checked_and_unloaded_on_running_replicas(
         allowed_host_path_prefixes=("/var/lib/adapters",),
     )
     memo = kopf.Memo(fleet_key=FleetKey(key_file), policy=policy)
-    name = api.pool["metadata"]["name"]
     api.pool["spec"]["adapters"] = [adapter_spec("a"), adapter_spec("b")]
     api.pool["spec"]["drift"] = {"policy": "Report", "intervalSeconds": 30}
     await converge(api, memo)
-    template = api.deployments()[-1]["spec"]["template"]
-    digest = api.pool["status"]["pinnedDigest"]
-    engines = FakeEngines(digest, {f"/var/lib/adapters/{n}": REV[n] for n in REV})
-    monkeypatch.setattr(fingerprints, "fetch_fingerprints", engines.fetch_fingerprints)
-    monkeypatch.setattr(fingerprints, "post_to_pod", engines.post_to_pod)
-    roots = template["metadata"]["annotations"]["llmpool.dev/adapter-roots"]
-    assert json.loads(roots) == ["/var/lib/adapters"]
+    pool = AdapterPool(api, memo, make_pod)
+    real_monotonic = time.monotonic
+    monkeypatch.setattr(observe.time, "monotonic", lambda: real_monotonic() + pool.offset[0])
+    monkeypatch.setattr(fingerprints, "fetch_fingerprints", pool.engines.fetch_fingerprints)
+    monkeypatch.setattr(fingerprints, "post_to_pod", pool.engines.post_to_pod)
+    return pool
 
-    def pods(restarts: int = 0) -> list[Any]:
-        bodies = [make_pod("p1", digest=digest, replica_set=f"{name}-5c8d9f")]
-        bodies.append(
-            make_pod("p2", digest=digest, replica_set=f"{name}-5c8d9f", restart_count=restarts)
-        )
-        for body in bodies:
-            body["metadata"]["annotations"]["llmpool.dev/adapter-roots"] = roots
-        return [handlers.pod_view(body) for body in bodies]
 
-    async def converge_with(restarts: int = 0) -> None:
-        observed = handlers.Observed(pods=pods(restarts), deployment=None, children=api.children())
-        await handlers.converge(
-            namespace=NAMESPACE, name=name, uid=UID, memo=memo, observed=observed
-        )
-
-    def condition(kind: str) -> tuple[str, str]:
-        found = next(c for c in api.pool["status"]["conditions"] if c["type"] == kind)
-        return found["status"], found["reason"]
-
-    def serving() -> dict[str, list[str]]:
-        return {a["name"]: a["replicas"] for a in api.pool["status"].get("adapters", [])}
-
-    drain(events)
+async def test_adapters_are_loaded_on_running_replicas(adapter_pool, api):
+    events = capture_events()
+    pool, engines = adapter_pool, adapter_pool.engines
+    assert json.loads(pool.roots) == ["/var/lib/adapters"]
     # The first check loads both adapters on both replicas, with the pool's engine key.
-    await converge_with()
+    await pool.converge()
     assert sorted((pod, body["lora_name"]) for pod, _, body, _ in engines.posts) == [
         ("p1", "a"), ("p1", "b"), ("p2", "a"), ("p2", "b"),
     ]  # fmt: skip
-    assert {key for *_, key in engines.posts} == {pool_engine_key(b"fleet", NAMESPACE, name)}
+    assert {key for *_, key in engines.posts} == {pool_engine_key(b"fleet", NAMESPACE, pool.name)}
     assert engines.posts[0][2]["lora_path"].startswith("/var/lib/adapters/")
-    assert serving() == {"a": ["p1", "p2"], "b": ["p1", "p2"]}
-    assert condition("Drifted") == ("False", "NoDrift")
+    assert pool.serving() == {"a": ["p1", "p2"], "b": ["p1", "p2"]}
+    assert pool.condition("Drifted") == ("False", "NoDrift")
     assert [(e.reason, e.message) for e in drain(events) if "Adapter" in e.reason] == [
         ("AdapterLoaded", f"adapter a loaded at {REV['a']} on p1, p2"),
         ("AdapterLoaded", f"adapter b loaded at {REV['b']} on p1, p2"),
     ]
     # All went well: the next pass checks again at once, finds nothing to do.
     posted = len(engines.posts)
-    await converge_with()
+    await pool.converge()
     assert len(engines.posts) == posted
 
     # A third adapter under the mounted folder: loaded on the running pods, template unchanged.
     update_spec(api, adapters=[adapter_spec("a"), adapter_spec("b"), adapter_spec("c")])
-    await converge_with()
-    await converge_with()
-    assert api.deployments()[-1]["spec"]["template"] == template
+    await pool.converge()
+    await pool.converge()
+    assert api.deployments()[-1]["spec"]["template"] == pool.template
     assert sorted((pod, body["lora_name"]) for pod, _, body, _ in engines.posts[posted:]) == [
         ("p1", "c"), ("p2", "c"),
     ]  # fmt: skip
-    assert serving()["c"] == ["p1", "p2"]
+    assert pool.serving()["c"] == ["p1", "p2"]
+
+
+async def test_a_refused_adapter_is_drift_retried_once_per_interval_and_unloaded(adapter_pool, api):
+    events = capture_events()
+    pool, engines = adapter_pool, adapter_pool.engines
+    update_spec(api, adapters=[adapter_spec("a"), adapter_spec("b"), adapter_spec("c")])
+    await pool.converge()
+    await pool.converge()
     drain(events)
 
     # Tampered: the files of `a` change on p2's node and p2 restarts. Its load is refused.
     engines.files["/var/lib/adapters/a"] = TAMPERED
     engines.served["p2"] = {}
-    await converge_with(restarts=1)
+    await pool.converge(restarts=1)
     assert api.pool["status"]["drift"] == [
         {"pod": "p2", "field": "adapters.a", "expected": REV["a"], "actual": TAMPERED}
     ]
-    assert condition("Drifted") == ("True", "ReplicasDrifted")
-    assert serving() == {"a": ["p1"], "b": ["p1", "p2"], "c": ["p1", "p2"]}
+    assert pool.condition("Drifted") == ("True", "ReplicasDrifted")
+    assert pool.serving() == {"a": ["p1"], "b": ["p1", "p2"], "c": ["p1", "p2"]}
     reported = {(e.type, e.reason): e.message for e in drain(events)}
     assert reported[("Warning", "DriftDetected")] == (
         f"pod p2: adapters.a is {TAMPERED}, expected {REV['a']}"
@@ -668,28 +681,28 @@ async def test_adapters_are_loaded_checked_and_unloaded_on_running_replicas(
     assert "revision_mismatch" in reported[("Warning", "AdapterLoadFailed")]
     # Not retried on every pass ...
     posted = len(engines.posts)
-    await converge_with(restarts=1)
+    await pool.converge(restarts=1)
     assert len(engines.posts) == posted
     # ... but once per drift interval: the files restored, the drift clears.
     engines.files["/var/lib/adapters/a"] = REV["a"]
-    offset[0] += 31
-    await converge_with(restarts=1)
+    pool.offset[0] += 31
+    await pool.converge(restarts=1)
     assert [(pod, body["lora_name"]) for pod, _, body, _ in engines.posts[posted:]] == [("p2", "a")]
     assert api.pool["status"]["drift"] == []
-    assert condition("Drifted") == ("False", "NoDrift")
-    assert serving()["a"] == ["p1", "p2"]
+    assert pool.condition("Drifted") == ("False", "NoDrift")
+    assert pool.serving()["a"] == ["p1", "p2"]
     drain(events)
 
     # Removed from the spec: unloaded from every replica, gone from status.adapters.
     update_spec(api, adapters=[adapter_spec("b"), adapter_spec("c")])
-    await converge_with(restarts=1)
-    await converge_with(restarts=1)
+    await pool.converge(restarts=1)
+    await pool.converge(restarts=1)
     assert engines.served == {
         "p1": {"b": REV["b"], "c": REV["c"]},
         "p2": {"b": REV["b"], "c": REV["c"]},
     }
-    assert serving() == {"b": ["p1", "p2"], "c": ["p1", "p2"]}
+    assert pool.serving() == {"b": ["p1", "p2"], "c": ["p1", "p2"]}
     assert [(e.reason, e.message) for e in drain(events) if "Adapter" in e.reason] == [
         ("AdapterUnloaded", "adapter a unloaded from p1, p2")
     ]
-    assert api.deployments()[-1]["spec"]["template"] == template
+    assert api.deployments()[-1]["spec"]["template"] == pool.template

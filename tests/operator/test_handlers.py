@@ -1,33 +1,12 @@
-"""The little logic kept in the kopf handlers: when a fingerprint check is due."""
+"""The little logic kept in the kopf handlers: which update scaled a pool, and waking a pool's
+``converge`` from another resource's handler."""
 
 from __future__ import annotations
 
 import kopf
 
-from llmpool.operator import handlers
-from llmpool.operator.handlers import _drift_check_due, _restore_due, replica_change
-from llmpool.operator.spec import PoolSpec
-from llmpool.operator.views import pod_view
-
-
-def test_drift_check_timing(chat_spec, make_pod, monkeypatch):
-    pool = PoolSpec.from_dict({**chat_spec, "drift": {"policy": "Report", "intervalSeconds": 30}})
-    memo = kopf.Memo()
-    now = [1000.0]
-    monkeypatch.setattr("llmpool.operator.handlers.time.monotonic", lambda: now[0])
-    pods = [pod_view(make_pod("a")), pod_view(make_pod("b"))]
-
-    assert _drift_check_due(memo, pool, pods)  # first look
-    now[0] += 5
-    assert not _drift_check_due(memo, pool, pods)  # nothing changed, interval not over
-    restarted = [pods[0], pod_view(make_pod("b", restart_count=1))]
-    assert _drift_check_due(memo, pool, restarted)  # a pod restarted: check now
-    now[0] += 10
-    assert not _drift_check_due(memo, pool, restarted)
-    now[0] += 30
-    assert _drift_check_due(memo, pool, restarted)  # the interval is over
-    unready = [restarted[0], pod_view(make_pod("b", restart_count=1, ready=False))]
-    assert _drift_check_due(memo, pool, unready)
+from llmpool.operator import handlers, indexes
+from llmpool.operator.handlers import replica_change
 
 
 def test_replica_change():
@@ -38,32 +17,22 @@ def test_replica_change():
     assert replica_change(kopf.Diff([])) is None
 
 
-def test_restore_waits_for_the_index_to_see_a_fresh_apply(monkeypatch):
-    now = [100.0]
-    monkeypatch.setattr("llmpool.operator.handlers.time.monotonic", lambda: now[0])
-    memo = kopf.Memo()
-    assert _restore_due(memo)  # never applied by this process
-    memo["applied_at"] = 100.0
-    assert not _restore_due(memo)
-    now[0] += 10
-    assert _restore_due(memo)
-
-
-INDEXES = {
-    name: {}
-    for name in (
-        "engine_pods",
-        "engine_deployments",
-        "child_configmaps",
-        "child_secrets",
-        "child_services",
-        "child_disruption_budgets",
-        "child_deployments",
-        "child_demands",
-        "gateway_demands",
-        "pools_by_served_name",
+INDEXES: dict[str, dict] = {
+    index_id: {}
+    for index_id in (
+        indexes.ENGINE_PODS,
+        indexes.ENGINE_DEPLOYMENTS,
+        *indexes.CHILD_INDEXES,
+        indexes.GATEWAY_DEMANDS,
+        indexes.POOLS_BY_SERVED_NAME,
     )
 }
+
+
+def test_every_index_is_registered_under_its_constant():
+    registry = kopf.get_default_registry()
+    registered = {handler.id for handler in registry._indexing.get_all_handlers()}
+    assert set(INDEXES) <= registered
 
 
 async def test_a_demand_record_wakes_its_pools_converge_with_the_pools_own_memo(monkeypatch):

@@ -66,3 +66,11 @@ async def test_a_call_to_an_api_server_that_never_answers_times_out(silent_api_s
     with pytest.raises(urllib3.exceptions.HTTPError):
         await CALLS[call]()
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("verb", ["patch", "read"])
+@pytest.mark.parametrize(
+    "kind", ["ConfigMap", "Secret", "Service", "PodDisruptionBudget", "Deployment", "LLMPoolDemand"]
+)
+def test_every_child_kind_has_its_calls(kind, verb):
+    assert callable(kube._child_call(kind, verb))

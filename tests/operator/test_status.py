@@ -14,7 +14,7 @@ from llmpool.operator.status import (
     short_revision,
     status_patch,
 )
-from llmpool.operator.views import deployment_view, pod_view
+from llmpool.operator.views import deployment_view, owned_pods, pod_view
 
 DIGEST = "sha256:" + "d" * 64
 OLD = "sha256:" + "0" * 64
@@ -30,14 +30,22 @@ def observe(make_pod, make_deployment, pods, deployment=None, **kwargs) -> Obser
         replicas=2,
         digest=DIGEST,
         deployment=deployment_view(deployment or make_deployment()),
-        pods=[pod_view(make_pod(name, **spec)) for name, spec in pods],
+        # As the operator passes them: only the pods of the pool's own Deployment.
+        pods=owned_pods([pod_view(make_pod(name, **spec)) for name, spec in pods], "chat"),
     )
     fields.update(kwargs)
     return Observation(**fields)
 
 
 def status_of(observation: Observation, previous: dict | None = None) -> dict:
-    return compute_status(observation, previous or {}, now=NOW)
+    rollout = rollout_state(
+        observation.deployment,
+        observation.pods,
+        digest=observation.digest,
+        replicas=observation.replicas,
+        reconciled=observation.reconciled_generation >= observation.generation,
+    )
+    return compute_status(observation, previous or {}, now=NOW, rollout=rollout)
 
 
 def condition(status: dict, kind: str) -> tuple[str, str]:
