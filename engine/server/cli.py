@@ -25,9 +25,9 @@ from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.lora.adapter import AdapterError
 from llmpool.engine.model_source import ADAPTER_FILES, RevisionMismatchError, adapter_digest
 from llmpool.engine.server.app import ServerSettings, build_app
-from llmpool.engine.server.limits import DEFAULT_MAX_RESPONSE_TOKENS, STREAMED_RESPONSE_FACTOR
 from llmpool.engine.server.lora_routes import ADAPTER_NAME
 from llmpool.engine.server.tool_calls import TOOL_CALL_PARSERS
+from llmpool.protocol.limits import DEFAULT_MAX_RESPONSE_TOKENS, STREAMED_RESPONSE_FACTOR
 
 logger = logging.getLogger("llmpool.serve")
 

@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmpool.engine.server.limits import MAX_TOOLS, nesting_depth
-from llmpool.engine.server.protocol import bad_request
 from llmpool.engine.server.tool_calls import EMPTY_PARAMETERS, Function, ToolChoice, forced_schema
 from llmpool.engine.structured_outputs import MAX_CHOICES, MAX_SPEC_BYTES, StructuredOutputsParams
+from llmpool.protocol.errors import bad_request
+from llmpool.protocol.limits import MAX_TOOLS, nesting_depth
 
 MAX_SCHEMA_BYTES = MAX_SPEC_BYTES  # a schema serialized as compact JSON
 MAX_SCHEMA_DEPTH = 32  # objects and arrays nested in a schema's JSON

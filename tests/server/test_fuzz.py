@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmpool.engine.server import limits
+from llmpool.protocol import limits
 
 MODEL = "smollm2-135m-instruct"
 VOCAB = 49152
