@@ -188,9 +188,12 @@ class Gateway:
                 model = adapter or pool.served_name
                 if facts.model != model:  # named as namespace/name
                     raw = with_model(raw, model)
-                response = await self._forward(
-                    request, tenant, pool, adapter, facts, path, raw, finish
-                )
+                # One watcher of the client for the whole wait: a held request whose client
+                # left is dropped at once, and stops counting as demand.
+                async with disconnect_watcher(request.receive) as disconnected:
+                    response = await self._forward(
+                        request, tenant, pool, adapter, facts, path, raw, finish, disconnected
+                    )
             finally:
                 del raw  # the body's last reference here: once the upstream has it, it is gone
                 release_body()
@@ -221,29 +224,11 @@ class Gateway:
         path: str,
         raw: bytes,
         finish: Callable[[], None],
+        disconnected: asyncio.Future[None],
     ) -> Response:
         """The response of a replica of ``pool`` (one with ``adapter``, if one is asked for),
         retried once on another; ``finish`` runs when a relayed response ends. Raises ClientGone
-        when the client leaves first."""
-        # One watcher of the client for the whole wait: a held request whose client left is
-        # dropped at once, and stops counting as demand.
-        async with disconnect_watcher(request.receive) as disconnected:
-            return await self._attempts(
-                request, tenant, pool, adapter, facts, path, raw, finish, disconnected
-            )
-
-    async def _attempts(
-        self,
-        request: Request,
-        tenant: Tenant,
-        pool: Pool,
-        adapter: str | None,
-        facts: RequestFacts,
-        path: str,
-        raw: bytes,
-        finish: Callable[[], None],
-        disconnected: asyncio.Future[None],
-    ) -> Response:
+        when the client leaves first (``disconnected``)."""
         # One hold budget for both attempts: a request refused by the only replica (it drains)
         # waits for the replica replacing it rather than failing.
         deadline = time.monotonic() + self.settings.hold_timeout
