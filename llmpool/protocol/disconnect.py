@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.types import Receive
 
@@ -45,8 +45,9 @@ async def unless_gone(work: Awaitable[T], gone: asyncio.Future[None]) -> T:
     cancelled and waited for, so it has let go of what it holds when this returns.
     """
     task = asyncio.ensure_future(work)
+    waiting: set[asyncio.Future[Any]] = {task, gone}
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
             task.cancel()
