@@ -1,29 +1,10 @@
-"""llmpool.engine: a PagedAttention, continuous-batching engine for Llama-family models.
+"""llmpool.engine: a PagedAttention, continuous-batching engine for Llama-family models."""
 
-The exports load on first use: the gateway imports the engine's light modules (the OpenAI error
-shape, the priority classes) and must not pay for torch and transformers.
-"""
-
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from llmpool.engine.config import EngineConfig
-    from llmpool.engine.llm import LLM
-    from llmpool.engine.outputs import CompletionOutput, RequestOutput
-    from llmpool.engine.sampling_params import SamplingParams
-    from llmpool.engine.structured_outputs import StructuredOutputsParams
-
-_EXPORTS = {
-    "EngineConfig": "llmpool.engine.config",
-    "LLM": "llmpool.engine.llm",
-    "CompletionOutput": "llmpool.engine.outputs",
-    "RequestOutput": "llmpool.engine.outputs",
-    "SamplingParams": "llmpool.engine.sampling_params",
-    "StructuredOutputsParams": "llmpool.engine.structured_outputs",
-}
+from llmpool.engine.config import EngineConfig
+from llmpool.engine.llm import LLM
+from llmpool.engine.outputs import CompletionOutput, RequestOutput
+from llmpool.engine.sampling_params import SamplingParams
+from llmpool.engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -33,9 +14,3 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'llmpool.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)

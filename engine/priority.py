@@ -1,6 +1,9 @@
-"""Priority classes: the names clients and operators use, and the request priority each maps to."""
+"""The priority classes, as the engine's modules (config, admission, the core), its tests and
+benchmarks import them. They are part of the request protocol, so they are defined in
+``llmpool.protocol.priority``, which the gateway reads without importing the engine."""
 
 from __future__ import annotations
 
-# Lower runs first and is preempted last (vLLM's convention for Request.priority).
-PRIORITY_CLASSES = {"interactive": 0, "batch": 1}
+from llmpool.protocol.priority import PRIORITY_CLASSES
+
+__all__ = ["PRIORITY_CLASSES"]

@@ -17,8 +17,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmpool.engine.server.http import error_response, openai_endpoint
-from llmpool.engine.server.protocol import APIError, bad_request
 from llmpool.fleet_key import FleetKey
 from llmpool.gateway import routing
 from llmpool.gateway.budget import RETRY_AFTER_SECONDS, RequestBudget, once, unavailable
@@ -27,9 +25,12 @@ from llmpool.gateway.limits import TenantLimiter
 from llmpool.gateway.load import LoadTracker, scrape_forever
 from llmpool.gateway.metrics import GatewayMetrics
 from llmpool.gateway.pools import Pool, PoolTable, Replica
-from llmpool.gateway.proxy import RelayResponse, UpstreamFailed, open_response, wait_for_disconnect
+from llmpool.gateway.proxy import RelayResponse, UpstreamFailed, open_response
 from llmpool.gateway.request import RequestFacts, read_facts, with_model
 from llmpool.gateway.tenants import KeyRing, Tenant
+from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
+from llmpool.protocol.errors import APIError, bad_request
+from llmpool.protocol.http import error_response, openai_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +74,6 @@ def _in_turn(*actions: Callable[[], None]) -> Callable[[], None]:
             action()
 
     return run
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request waited: nobody is left to answer."""
 
 
 class Gateway:
@@ -191,9 +188,12 @@ class Gateway:
                 model = adapter or pool.served_name
                 if facts.model != model:  # named as namespace/name
                     raw = with_model(raw, model)
-                response = await self._forward(
-                    request, tenant, pool, adapter, facts, path, raw, finish
-                )
+                # One watcher of the client for the whole wait: a held request whose client
+                # left is dropped at once, and stops counting as demand.
+                async with disconnect_watcher(request.receive) as disconnected:
+                    response = await self._forward(
+                        request, tenant, pool, adapter, facts, path, raw, finish, disconnected
+                    )
             finally:
                 del raw  # the body's last reference here: once the upstream has it, it is gone
                 release_body()
@@ -224,32 +224,11 @@ class Gateway:
         path: str,
         raw: bytes,
         finish: Callable[[], None],
+        disconnected: asyncio.Future[None],
     ) -> Response:
         """The response of a replica of ``pool`` (one with ``adapter``, if one is asked for),
         retried once on another; ``finish`` runs when a relayed response ends. Raises ClientGone
-        when the client leaves first."""
-        # One watcher of the client for the whole wait: a held request whose client left is
-        # dropped at once, and stops counting as demand.
-        disconnected = asyncio.ensure_future(wait_for_disconnect(request.receive))
-        try:
-            return await self._attempts(
-                request, tenant, pool, adapter, facts, path, raw, finish, disconnected
-            )
-        finally:
-            disconnected.cancel()
-
-    async def _attempts(
-        self,
-        request: Request,
-        tenant: Tenant,
-        pool: Pool,
-        adapter: str | None,
-        facts: RequestFacts,
-        path: str,
-        raw: bytes,
-        finish: Callable[[], None],
-        disconnected: asyncio.Future[None],
-    ) -> Response:
+        when the client leaves first (``disconnected``)."""
         # One hold budget for both attempts: a request refused by the only replica (it drains)
         # waits for the replica replacing it rather than failing.
         deadline = time.monotonic() + self.settings.hold_timeout
@@ -405,17 +384,9 @@ class Gateway:
         long; cancelling it closes the upstream connection, and the engine aborts.
         """
         engine_key = self.settings.fleet_key.engine_key(pool.namespace, pool.name)
-        opening: asyncio.Future[Any] = asyncio.ensure_future(
-            open_response(self.client, url, body, request.headers, engine_key)
+        return await unless_gone(
+            open_response(self.client, url, body, request.headers, engine_key), disconnected
         )
-        waiting: set[asyncio.Future[Any]] = {opening, disconnected}
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        if opening.done():
-            return opening.result()
-        opening.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await opening
-        raise ClientGone
 
     def _failed(self, failure: UpstreamFailed) -> Response:
         """Both attempts failed (or no other replica was left): the last failure, for the client."""

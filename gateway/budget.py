@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from starlette.requests import Request
 
-from llmpool.engine.server.http import MAX_BODY_BYTES
-from llmpool.engine.server.protocol import APIError
+from llmpool.protocol.errors import APIError
+from llmpool.protocol.http import MAX_BODY_BYTES
 
 RETRY_AFTER_SECONDS = "1"
 

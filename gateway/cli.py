@@ -9,7 +9,6 @@ import socket
 
 import uvicorn
 
-from llmpool.engine.server.http import MAX_BODY_BYTES
 from llmpool.fleet_key import FleetKey
 from llmpool.gateway import routing
 from llmpool.gateway.app import MIB, GatewaySettings, build_app
@@ -18,6 +17,7 @@ from llmpool.gateway.pools import PoolTable
 from llmpool.gateway.tenants import KeyRing
 from llmpool.gateway.watch import TableWatcher, key_secrets, resources
 from llmpool.operator.kube import load_credentials
+from llmpool.protocol.http import MAX_BODY_BYTES
 
 DEFAULT_PORT = 8080
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from llmpool.engine.server.protocol import APIError
 from llmpool.gateway.budget import once
+from llmpool.protocol.errors import APIError
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 
@@ -10,7 +10,8 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from llmpool.engine.server.protocol import APIError
+from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
+from llmpool.protocol.errors import APIError
 
 # What a client sends that the engine needs, and what the engine answers that a client needs.
 # Never the client's Authorization: its key is the gateway's business; the engine gets the
@@ -63,11 +64,6 @@ async def _once(body: bytes) -> AsyncIterator[bytes]:
     yield body
 
 
-async def wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 class RelayResponse(Response):
     """An ASGI response that streams an upstream response through as its chunks arrive.
 
@@ -103,17 +99,10 @@ class RelayResponse(Response):
                     "headers": headers,
                 }
             )
-            relay = asyncio.ensure_future(self._relay(send))
-            disconnect = asyncio.ensure_future(wait_for_disconnect(receive))
-            try:
-                await asyncio.wait({relay, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                relay.cancel()
-                disconnect.cancel()
-                # Both finish before the upstream closes under them.
-                relayed, _ = await asyncio.gather(relay, disconnect, return_exceptions=True)
-            if isinstance(relayed, Exception):
-                raise relayed
+            # The relay and the watcher both finish before the upstream closes under them.
+            async with disconnect_watcher(receive) as gone:
+                with contextlib.suppress(ClientGone):
+                    await unless_gone(self._relay(send), gone)
         finally:
             await self.upstream.aclose()
             self.on_done()

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llmpool.engine.server.protocol import bad_request, parse_json_body
 from llmpool.gateway import routing
+from llmpool.protocol.errors import bad_request, parse_json_body
 
 # A body's tokens are estimated from its size: about four bytes of JSON text per token of
 # prompt (an over-estimate for anything but plain English, which is the safe side).

@@ -26,8 +26,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.gateway.pools import Pool, Replica
+from llmpool.protocol.priority import PRIORITY_CLASSES
 
 DEFAULT_PREFIX_CHARS = 1024  # ~256 tokens: the first 16 KV blocks of 16 tokens
 DEFAULT_LOAD_FACTOR = 1.25  # KubeAI's and the CHWBL paper's bound

@@ -35,9 +35,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmpool.engine.server.protocol import APIError
 from llmpool.gateway.limits import TenantLimits
 from llmpool.gateway.pools import Pool
+from llmpool.protocol.errors import APIError
 
 logger = logging.getLogger(__name__)
 

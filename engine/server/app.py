@@ -32,25 +32,24 @@ from llmpool.engine.server.async_engine import (
 )
 from llmpool.engine.server.constraints import Constraint, OutputSpec, parse_output_spec
 from llmpool.engine.server.fingerprint import build_fingerprint, lora_fields
-from llmpool.engine.server.http import openai_endpoint, read_body
-from llmpool.engine.server.limits import DEFAULT_MAX_RESPONSE_TOKENS
 from llmpool.engine.server.lora_routes import LoraRoutes, model_not_found
 from llmpool.engine.server.metrics import EngineMetrics
 from llmpool.engine.server.prompts import PromptBuilder
-from llmpool.engine.server.protocol import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    GenerationRequest,
-    bad_request,
-    parse_chat_request,
-    parse_completion_request,
-    parse_json_body,
-)
 from llmpool.engine.server.responses import SSE_DONE, Choice, ResponseBuilder, sse_event
 from llmpool.engine.server.stats_log import log_stats_forever
 from llmpool.engine.server.tool_calls import ToolCallShaper, detect_parser
 from llmpool.engine.structured_outputs import GrammarError, StructuredOutputsParams
+from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
+from llmpool.protocol.errors import APIError, bad_request, parse_json_body
+from llmpool.protocol.http import openai_endpoint, read_body
+from llmpool.protocol.limits import DEFAULT_MAX_RESPONSE_TOKENS
+from llmpool.protocol.requests import (
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +110,25 @@ def _engine_error(error: Exception) -> APIError:
     return bad_request(str(error))
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+def _sampling_params(
+    parsed: GenerationRequest,
+    max_tokens: int | None,
+    structured_outputs: StructuredOutputsParams | None,
+) -> SamplingParams:
+    """The engine's params for one prompt of ``parsed``; what they refuse is a 400."""
+    try:
+        return SamplingParams(
+            n=parsed.n,
+            max_tokens=max_tokens,
+            logprobs=parsed.logprobs,
+            structured_outputs=structured_outputs,
+            **parsed.sampling,
+        )
+    except ValueError as error:
+        message = str(error)
+        # SamplingParams messages start with the field's name; name it as the param too.
+        name = message.split(" ", 1)[0]
+        raise bad_request(message, param=name if name in parsed.sampling else None) from None
 
 
 class OpenAIServer:
@@ -331,7 +346,7 @@ class OpenAIServer:
         )
         children = []
         for prompt, tokens in zip(prompts, max_tokens, strict=True):
-            params = parsed.sampling_params(tokens, structured_outputs)
+            params = _sampling_params(parsed, tokens, structured_outputs)
             children += [
                 ChildRequest(
                     prompt, params.for_choice(index), parsed.priority, parsed.cache_salt, adapter
@@ -419,19 +434,13 @@ class OpenAIServer:
             async for index, delta in stream:
                 choices[index].add(delta)
 
-        consumer = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if not consumer.done():
-            consumer.cancel()
-            return None
-        try:
-            consumer.result()
-        except (EngineStoppedError, RequestFailedError) as error:
-            raise _engine_error(error) from None
+        async with disconnect_watcher(request.receive) as gone:
+            try:
+                await unless_gone(consume(), gone)
+            except ClientGone:
+                return None
+            except (EngineStoppedError, RequestFailedError) as error:
+                raise _engine_error(error) from None
         return choices
 
     async def _stream_events(

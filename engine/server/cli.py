@@ -25,9 +25,9 @@ from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.lora.adapter import AdapterError
 from llmpool.engine.model_source import ADAPTER_FILES, RevisionMismatchError, adapter_digest
 from llmpool.engine.server.app import ServerSettings, build_app
-from llmpool.engine.server.limits import DEFAULT_MAX_RESPONSE_TOKENS, STREAMED_RESPONSE_FACTOR
 from llmpool.engine.server.lora_routes import ADAPTER_NAME
 from llmpool.engine.server.tool_calls import TOOL_CALL_PARSERS
+from llmpool.protocol.limits import DEFAULT_MAX_RESPONSE_TOKENS, STREAMED_RESPONSE_FACTOR
 
 logger = logging.getLogger("llmpool.serve")
 
@@ -36,6 +36,14 @@ EXIT_REVISION_MISMATCH = 3
 TERMINATION_LOG = "/dev/termination-log"  # where Kubernetes reads a container's last words
 # After the drain, how long uvicorn waits for the last responses to be written.
 RESPONSE_FLUSH_SECONDS = 5.0
+# ServerSettings fields that are the flags of the same name.
+SETTINGS_FLAGS = (
+    "api_key",
+    "max_queue",
+    "stats_interval",
+    "tool_call_parser",
+    "max_response_tokens",
+)
 
 # Engine settings that only some engine builds have: passed on when EngineConfig has the field,
 # otherwise only their defaults are accepted. (flag dest -> default)
@@ -364,31 +372,29 @@ def _load_engine(
         return loader.submit(load).result()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        config = engine_config(args)
-        modules = lora_modules(args)
-        chat_template = Path(args.chat_template).read_bytes() if args.chat_template else None
-    except (ValueError, OSError) as error:
-        logger.error("cannot start: %s", error)
-        return EXIT_BAD_ARGUMENTS
+def _read_arguments(
+    args: argparse.Namespace,
+) -> tuple[EngineConfig, list[LoraModule], bytes | None]:
+    """The engine's config, the ``--lora-modules`` and the ``--chat-template`` file's bytes; a
+    ValueError or OSError names what is wrong."""
+    config = engine_config(args)
+    modules = lora_modules(args)
+    chat_template = Path(args.chat_template).read_bytes() if args.chat_template else None
     if args.max_response_tokens < 1:
-        logger.error(
-            "cannot start: --max-response-tokens must be positive, got %d",
-            args.max_response_tokens,
-        )
-        return EXIT_BAD_ARGUMENTS
+        raise ValueError(f"--max-response-tokens must be positive, got {args.max_response_tokens}")
     if args.max_queue < 0:
-        logger.error("cannot start: --max-queue must be non-negative, got %d", args.max_queue)
-        return EXIT_BAD_ARGUMENTS
+        raise ValueError(f"--max-queue must be non-negative, got {args.max_queue}")
+    return config, modules, chat_template
 
+
+def _start_engine(
+    config: EngineConfig, modules: list[LoraModule], served_name: str | None
+) -> tuple[EngineCore, str] | int:
+    """The loaded core and the served model name, or the exit status of a start that failed
+    (said in the termination log, which the operator reads)."""
     try:
         check_pinned_adapters(modules)
-        core, served_model_name = _load_engine(config, modules, args.served_model_name)
+        return _load_engine(config, modules, served_name)
     except RevisionMismatchError as error:
         logger.error("%s", error)
         _write_termination_log(str(error))
@@ -402,15 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         _write_termination_log(str(error))
         return EXIT_BAD_ARGUMENTS
 
-    settings = ServerSettings(
-        served_model_name=served_model_name,
-        api_key=args.api_key,
-        chat_template=chat_template,
-        max_queue=args.max_queue,
-        stats_interval=args.stats_interval,
-        tool_call_parser=args.tool_call_parser,
-        max_response_tokens=args.max_response_tokens,
-    )
+
+def _serve(args: argparse.Namespace, core: EngineCore, settings: ServerSettings) -> int:
+    """Serve until a signal has drained the app; 1 if the server never started (say, the port
+    is taken)."""
     app = build_app(core, settings)
     server = DrainingServer(
         uvicorn.Config(
@@ -426,6 +427,28 @@ def main(argv: list[str] | None = None) -> int:
     _keep_exit_status_zero()
     server.run()
     return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config, modules, chat_template = _read_arguments(args)
+    except (ValueError, OSError) as error:
+        logger.error("cannot start: %s", error)
+        return EXIT_BAD_ARGUMENTS
+    started = _start_engine(config, modules, args.served_model_name)
+    if isinstance(started, int):
+        return started
+    core, served_model_name = started
+    settings = ServerSettings(
+        served_model_name=served_model_name,
+        chat_template=chat_template,
+        **{flag: getattr(args, flag) for flag in SETTINGS_FLAGS},
+    )
+    return _serve(args, core, settings)
 
 
 if __name__ == "__main__":

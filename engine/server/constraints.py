@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmpool.engine.server.limits import MAX_TOOLS, nesting_depth
-from llmpool.engine.server.protocol import bad_request
 from llmpool.engine.server.tool_calls import EMPTY_PARAMETERS, Function, ToolChoice, forced_schema
 from llmpool.engine.structured_outputs import MAX_CHOICES, MAX_SPEC_BYTES, StructuredOutputsParams
+from llmpool.protocol.errors import bad_request
+from llmpool.protocol.limits import MAX_TOOLS, nesting_depth
 
 MAX_SCHEMA_BYTES = MAX_SPEC_BYTES  # a schema serialized as compact JSON
 MAX_SCHEMA_DEPTH = 32  # objects and arrays nested in a schema's JSON
@@ -46,6 +46,14 @@ class OutputSpec:
     functions: list[Function] = field(default_factory=list)
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
+
+
+def _object_field(container: dict[str, Any], key: str, where: str, param: str) -> dict[str, Any]:
+    """``container[key]``, which must be a JSON object: a 400 naming ``where.key`` if not."""
+    value = container.get(key)
+    if not isinstance(value, dict):
+        raise bad_request(f"{where}.{key} must be an object", param=param)
+    return value
 
 
 def parse_output_spec(body: dict[str, Any], chat: bool) -> OutputSpec:
@@ -90,9 +98,7 @@ def _response_format(value: Any) -> Constraint | None:
         raise bad_request(
             f"{param}.type must be text, json_object or json_schema, got {kind!r}", param=param
         )
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict):
-        raise bad_request(f"{param}.json_schema must be an object", param=param)
+    spec = _object_field(value, "json_schema", param, param)
     name = spec.get("name")
     if name is not None and not (isinstance(name, str) and NAME_PATTERN.fullmatch(name)):
         raise bad_request(
@@ -227,9 +233,7 @@ def _tools(value: Any) -> list[Function]:
             raise bad_request(
                 f'{where} must be {{"type": "function", "function": ...}}', param=param
             )
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise bad_request(f"{where}.function must be an object", param=param)
+        function = _object_field(tool, "function", where, param)
         name = function.get("name")
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise bad_request(

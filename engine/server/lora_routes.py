@@ -19,8 +19,8 @@ from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.lora.adapter import AdapterError
 from llmpool.engine.lora.manager import UnknownAdapterError
 from llmpool.engine.server.async_engine import AsyncEngine
-from llmpool.engine.server.http import read_body
-from llmpool.engine.server.protocol import APIError, bad_request, parse_json_body
+from llmpool.protocol.errors import APIError, bad_request, parse_json_body
+from llmpool.protocol.http import read_body
 
 # What a request's `model` may name: a DNS-label-like word, so it fits a URL, a label value and
 # the operator's CRD alike.

@@ -11,117 +11,62 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+from prometheus_client import Counter, Gauge
 
 from llmpool.engine.engine_core import EngineStats
 from llmpool.engine.outputs import RequestDelta
 from llmpool.engine.server.async_engine import StepObserver
-
-# vLLM turns these off too: a *_created series per counter is noise on every scrape.
-disable_created_metrics()
+from llmpool.prometheus import Series
 
 FINISH_REASONS = ("stop", "length", "abort")
 
 # vLLM's buckets, so that dashboards built for vLLM read ours the same way.
 TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
 ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
 # The gauges routers read by vLLM's names (see the module docstring).
 INTEROP_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
 REQUEST_LATENCY_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 
 # Compiles are cached per spec: hits take microseconds, a large schema tens of milliseconds.
 GRAMMAR_COMPILE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# The engine's counters that EngineStats carries as running totals; Prometheus takes increments.
+CUMULATIVE_STATS = (
+    ("num_preemptions", "num_preemptions"),
+    ("prefix_cache_queries", "prefix_cache_queries"),
+    ("prefix_cache_hits", "prefix_cache_hits"),
+    ("grammar_mask_seconds", "grammar_mask_time"),
+    ("grammar_wait_seconds", "grammar_wait_time"),
+    ("grammar_steps", "grammar_steps"),
+)
+
+
+def _no_stats() -> EngineStats:
+    return EngineStats(
+        num_running=0, num_waiting=0, kv_cache_usage=0.0, num_free_blocks=0, num_total_blocks=0,
+        num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
+    )  # fmt: skip
 
 
 @dataclass
 class Totals:
-    """Running totals the periodic stats line turns into rates."""
+    """What the periodic stats line turns into rates: the tokens counted as they stream, and the
+    engine's last stats (whose counters are running totals)."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    grammar_mask_seconds: float = 0.0
-    grammar_wait_seconds: float = 0.0
-    grammar_steps: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
+    engine: EngineStats = field(default_factory=_no_stats)
 
 
 class EngineMetrics(StepObserver):
@@ -129,82 +74,13 @@ class EngineMetrics(StepObserver):
 
     def __init__(self, model_name: str, max_loras: int | None = None) -> None:
         """``max_loras``: the engine's LoRA slots; None when LoRA is off (no LoRA metrics)."""
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        registry = self.registry
-
-        def gauge(name: str, doc: str) -> Gauge:
-            if name in INTEROP_GAUGES:
-                self._interop[name] = Gauge(f"vllm:{name}", doc, labels, registry=registry)
-            return Gauge(f"llmpool:{name}", doc, labels, registry=registry)
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"llmpool:{name}", doc, [*labels, *extra], registry=registry)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"llmpool:{name}", doc, labels, buckets=buckets, registry=registry)
-
+        self.series = Series("llmpool", ["model_name"])
         self._model = {"model_name": model_name}
         self._interop: dict[str, Gauge] = {}
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge(
-            "num_requests_waiting", "Requests waiting to be scheduled."
-        )
-        self.kv_cache_usage_perc = gauge(
-            "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1.0 is full)."
-        )
-        self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "From arrival to the first output token.", TTFT_BUCKETS
-        )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Between consecutive output tokens.", ITL_BUCKETS
-        )
-        self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds",
-            "From arrival to the last token.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.request_queue_time = histogram(
-            "request_queue_time_seconds",
-            "From arrival to first scheduling.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.num_preemptions = counter("num_preemptions", "Preemptions (KV freed for recompute).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests prefilled.")
-        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
-        self.prefix_cache_queries = counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        )
-        self.prefix_cache_hits = counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
-        )
-        self.request_success = counter(
-            "request_success", "Finished requests by finish reason.", ("finished_reason",)
-        )
-        self.structured_output_requests = counter(
-            "structured_output_requests",
-            "Requests with an output grammar, by kind (json_schema, json_object, regex, choice,"
-            " grammar, tool_call).",
-            ("kind",),
-        )
-        self.grammar_compile_time = Histogram(
-            "llmpool:grammar_compile_seconds",
-            "Compiling a request's output grammar (a cached grammar takes microseconds).",
-            [*labels, "kind"],
-            buckets=GRAMMAR_COMPILE_BUCKETS,
-            registry=registry,
-        )
-        self.grammar_mask_time = counter(
-            "grammar_mask_seconds",
-            "Computing structured-output token masks, beside the forward passes.",
-        )
-        self.grammar_wait_time = counter(
-            "grammar_wait_seconds",
-            "Of the mask time, what steps waited for after their forward pass.",
-        )
-        self.grammar_steps = counter(
-            "grammar_steps", "Steps that computed structured-output masks."
-        )
+        self._load_series()
+        self._latency_series()
+        self._counter_series()
+        self._grammar_series()
         # Every series exists from the start, so that rate() and absent() work on a fresh pod.
         for metric in (
             self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
@@ -219,11 +95,85 @@ class EngineMetrics(StepObserver):
             self.request_success.labels(finished_reason=reason, **self._model)
         self.totals = Totals()
         self._totals_lock = threading.Lock()
-        self._last_preemptions = 0
-        self.lora = None if max_loras is None else LoraMetrics(registry, model_name, max_loras)
+        self.lora = None if max_loras is None else LoraMetrics(self.series, model_name, max_loras)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        """A load gauge, and its twin under vLLM's name for the routers that read those."""
+        if name in INTEROP_GAUGES:
+            self._interop[name] = self.series.gauge(name, doc, prefix="vllm")
+        return self.series.gauge(name, doc)
+
+    def _load_series(self) -> None:
+        self.num_requests_running = self._gauge(
+            "num_requests_running", "Requests in the running batch."
+        )
+        self.num_requests_waiting = self._gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled."
+        )
+        self.kv_cache_usage_perc = self._gauge(
+            "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1.0 is full)."
+        )
+
+    def _latency_series(self) -> None:
+        histogram = self.series.histogram
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "From arrival to the first output token.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Between consecutive output tokens.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "From arrival to the last token.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "From arrival to first scheduling.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+
+    def _counter_series(self) -> None:
+        counter = self.series.counter
+        self.num_preemptions = counter("num_preemptions", "Preemptions (KV freed for recompute).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.request_success = counter(
+            "request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+
+    def _grammar_series(self) -> None:
+        counter = self.series.counter
+        self.structured_output_requests = counter(
+            "structured_output_requests",
+            "Requests with an output grammar, by kind (json_schema, json_object, regex, choice,"
+            " grammar, tool_call).",
+            ("kind",),
+        )
+        self.grammar_compile_time = self.series.histogram(
+            "grammar_compile_seconds",
+            "Compiling a request's output grammar (a cached grammar takes microseconds).",
+            GRAMMAR_COMPILE_BUCKETS,
+            ("kind",),
+        )
+        self.grammar_mask_time = counter(
+            "grammar_mask_seconds",
+            "Computing structured-output token masks, beside the forward passes.",
+        )
+        self.grammar_wait_time = counter(
+            "grammar_wait_seconds",
+            "Of the mask time, what steps waited for after their forward pass.",
+        )
+        self.grammar_steps = counter(
+            "grammar_steps", "Steps that computed structured-output masks."
+        )
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.series.render()
 
     # --- StepObserver (engine thread) ---------------------------------------------------------
 
@@ -263,37 +213,23 @@ class EngineMetrics(StepObserver):
         ):
             getattr(self, name).labels(**self._model).set(value)
             self._interop[name].labels(**self._model).set(value)
-        if stats.num_preemptions > self._last_preemptions:
-            self.num_preemptions.labels(**self._model).inc(
-                stats.num_preemptions - self._last_preemptions
-            )
-            self._last_preemptions = stats.num_preemptions
         if self.lora is not None:
             self.lora.on_adapters(stats.running_adapters, stats.waiting_adapters)
         with self._totals_lock:
-            totals = self.totals
-            totals.num_running, totals.num_waiting = stats.num_running, stats.num_waiting
-            totals.kv_cache_usage = stats.kv_cache_usage
-            self._update_cumulative(stats)
+            self._count_increments(self.totals.engine, stats)
+            self.totals.engine = stats
 
     def on_grammar_compiled(self, kind: str, seconds: float, cache_hit: bool) -> None:
         """Called by the engine's StructuredOutputManager, once per request with a grammar."""
         self.structured_output_requests.labels(kind=kind, **self._model).inc()
         self.grammar_compile_time.labels(kind=kind, **self._model).observe(seconds)
 
-    def _update_cumulative(self, stats: EngineStats) -> None:
-        """The engine counts these cumulatively; Prometheus counters take the increments."""
-        for name, counter in (
-            ("prefix_cache_queries", self.prefix_cache_queries),
-            ("prefix_cache_hits", self.prefix_cache_hits),
-            ("grammar_mask_seconds", self.grammar_mask_time),
-            ("grammar_wait_seconds", self.grammar_wait_time),
-            ("grammar_steps", self.grammar_steps),
-        ):
-            total, previous = getattr(stats, name), getattr(self.totals, name)
-            if total > previous:
-                counter.labels(**self._model).inc(total - previous)
-                setattr(self.totals, name, total)
+    def _count_increments(self, previous: EngineStats, stats: EngineStats) -> None:
+        """The engine counts these as running totals; Prometheus counters take the increments."""
+        for name, attribute in CUMULATIVE_STATS:
+            increment = getattr(stats, name) - getattr(previous, name)
+            if increment > 0:
+                getattr(self, attribute).labels(**self._model).inc(increment)
 
     def snapshot(self) -> Totals:
         with self._totals_lock:
@@ -309,16 +245,17 @@ class LoraMetrics:
     per-adapter counters are ours.
     """
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_loras: int) -> None:
-        labels = ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+    def __init__(self, series: Series, model_name: str, max_loras: int) -> None:
+        """``series``: the engine's, labelled with ``model_name`` first."""
+        labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
         doc = "Adapters of the running and waiting requests; the value is when they last changed."
         self.info = [
-            Gauge(f"{prefix}:lora_requests_info", doc, labels, registry=registry)
+            series.gauge("lora_requests_info", doc, labels, prefix=prefix)
             for prefix in ("vllm", "llmpool")
         ]
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"llmpool:{name}", doc, ["model_name", "lora_name"], registry=registry)
+            return series.counter(name, doc, ["lora_name"])
 
         self.requests = counter("lora_requests", "Finished requests, per LoRA adapter.")
         self.prompt_tokens = counter(

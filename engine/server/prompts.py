@@ -11,8 +11,8 @@ from typing import Any
 
 import jinja2
 
-from llmpool.engine.server.protocol import bad_request
 from llmpool.engine.server.tool_calls import Function, hermes_messages, template_messages
+from llmpool.protocol.errors import bad_request
 
 # Text of more than this many characters per token of the context window is first tokenized in
 # growing parts (each PROBE_GROWTH times the last): once a part alone overflows the window, the

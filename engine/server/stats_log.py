@@ -14,19 +14,19 @@ logger = logging.getLogger(__name__)
 def stats_line(previous: Totals, current: Totals, seconds: float) -> str:
     prompt_rate = (current.prompt_tokens - previous.prompt_tokens) / seconds
     generation_rate = (current.generation_tokens - previous.generation_tokens) / seconds
-    queries = current.prefix_cache_queries - previous.prefix_cache_queries
-    hits = current.prefix_cache_hits - previous.prefix_cache_hits
+    queries = current.engine.prefix_cache_queries - previous.engine.prefix_cache_queries
+    hits = current.engine.prefix_cache_hits - previous.engine.prefix_cache_hits
     hit_rate = f"{100 * hits / queries:.1f}%" if queries else "n/a"
     return (
         f"engine: prompt {prompt_rate:.1f} tok/s, generation {generation_rate:.1f} tok/s,"
-        f" running {current.num_running}, waiting {current.num_waiting},"
-        f" KV usage {100 * current.kv_cache_usage:.1f}%, prefix cache hit rate {hit_rate}"
+        f" running {current.engine.num_running}, waiting {current.engine.num_waiting},"
+        f" KV usage {100 * current.engine.kv_cache_usage:.1f}%, prefix cache hit rate {hit_rate}"
     )
 
 
 def _idle(previous: Totals, current: Totals) -> bool:
     return (
-        current.num_running == current.num_waiting == 0
+        current.engine.num_running == current.engine.num_waiting == 0
         and current.generation_tokens == previous.generation_tokens
         and current.prompt_tokens == previous.prompt_tokens
     )

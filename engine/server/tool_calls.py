@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmpool.engine.server.limits import MAX_JSON_DEPTH, nesting_depth
+from llmpool.protocol.limits import MAX_JSON_DEPTH, nesting_depth
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from typing import Any
@@ -70,16 +71,16 @@ def sent(metrics: dict[str, float], replica: str, decision: str | None = None) -
 
 def prompts_ranked_first(replica: str, names: list[str], count: int) -> list[str]:
     """Prompts whose prefix key ranks ``replica`` first among ``names`` (computed, not guessed)."""
-    found = []
-    for tenant in range(1000):
-        text = f"Tenant {tenant}: {SYSTEM}"
-        candidates = [routing.Candidate(Replica(n, f"http://{n}"), 0.0, None) for n in names]
+    candidates = [routing.Candidate(Replica(n, f"http://{n}"), 0.0, None) for n in names]
+
+    def ranks_first(text: str) -> bool:
         key = routing.prefix_key(routing.prompt_text({"prompt": text}))
-        if routing.rank(key, candidates)[0].replica.name == replica:
-            found.append(text)
-        if len(found) == count:
-            return found
-    raise AssertionError(f"no {count} prompts rank {replica} first")
+        return routing.rank(key, candidates)[0].replica.name == replica
+
+    texts = (f"Tenant {tenant}: {SYSTEM}" for tenant in range(1000))
+    found = list(itertools.islice(filter(ranks_first, texts), count))
+    assert len(found) == count, f"no {count} prompts rank {replica} first"
+    return found
 
 
 # --- the OpenAI surface -----------------------------------------------------------------------

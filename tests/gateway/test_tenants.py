@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from llmpool.engine.server.protocol import APIError
 from llmpool.gateway import routing
 from llmpool.gateway.limits import TenantLimiter, TenantLimits, TokenBucket
 from llmpool.gateway.pools import Pool
 from llmpool.gateway.request import read_facts, with_model
 from llmpool.gateway.tenants import DEFAULT, OPEN, KeyRing, tenant_from_secret
+from llmpool.protocol.errors import APIError
 
 
 def secret(name: str, **data: str) -> dict[str, Any]:

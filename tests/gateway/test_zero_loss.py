@@ -106,6 +106,19 @@ def wait_for(what: str, condition: Callable[[], Any], timeout: float) -> None:
         time.sleep(0.1)
 
 
+def report(load: Load, metrics: dict[str, float]) -> None:
+    """Each phase's outcomes and latencies, and the gateway's retries, in the test's output."""
+    retried = sum(v for k, v in metrics.items() if 'decision="retry"' in k and "_total" in k)
+    for phase, latencies in load.latencies.items():
+        ok, failed = load.results[(phase, "ok")], load.results[(phase, "failed")]
+        latencies.sort()
+        print(
+            f"{phase}: {ok} ok, {failed} failed; latency p50 {latencies[len(latencies) // 2]:.1f}"
+            f" s, max {latencies[-1]:.1f} s"
+        )
+    print(f"retried on another replica: {retried:.0f}")
+
+
 def test_stopping_replicas_under_load_fails_no_request(
     start_engine, make_slice, start_gateway, tmp_path: Path
 ) -> None:
@@ -158,15 +171,6 @@ def test_stopping_replicas_under_load_fails_no_request(
         for engine in engines.values():
             if engine.process.poll() is None:
                 engine.terminate()
-    metrics = gateway.metrics()
-    retried = sum(v for k, v in metrics.items() if 'decision="retry"' in k and "_total" in k)
-    for phase, latencies in load.latencies.items():
-        ok, failed = load.results[(phase, "ok")], load.results[(phase, "failed")]
-        latencies.sort()
-        print(
-            f"{phase}: {ok} ok, {failed} failed; latency p50 {latencies[len(latencies) // 2]:.1f}"
-            f" s, max {latencies[-1]:.1f} s"
-        )
-    print(f"retried on another replica: {retried:.0f}")
+    report(load, gateway.metrics())
     assert load.failures == []
     assert all(outcome == "ok" for _, outcome in load.results)

@@ -14,11 +14,22 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 
 LLMPOOL = str(Path(sys.executable).parent / "llmpool")
 START_TIMEOUT_S = 300
 MODEL = "smollm2-135m-instruct"
+
+# The fuzz tests' hypothesis settings (``settings(settings.get_profile("llmpool-server"),
+# max_examples=...)``): the same examples every run, so that a failure reproduces; no deadline,
+# as the real server may take seconds to answer.
+settings.register_profile(
+    "llmpool-server",
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 def free_port() -> int:

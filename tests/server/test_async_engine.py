@@ -116,6 +116,14 @@ async def started(core: ScriptedCore, max_queue: int = 100) -> AsyncEngine:
     return engine
 
 
+async def until_idle(core: ScriptedCore) -> None:
+    """Wait (up to a second) for the engine thread to have dropped every request."""
+    for _ in range(50):
+        if not core.scheduler.requests:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_children_are_merged_into_one_stream() -> None:
     engine = await started(ScriptedCore(max_num_seqs=4))
     stream = await engine.submit("r", children(3))
@@ -156,10 +164,7 @@ async def test_abort_reaches_the_engine_and_stops_the_stream() -> None:
     async for _ in stream:
         break
     stream.abort()
-    for _ in range(50):
-        if not core.scheduler.requests:
-            break
-        await asyncio.sleep(0.02)
+    await until_idle(core)
     assert sorted(core.aborted) == ["r-0", "r-1"]
     await engine.shutdown()
 
@@ -184,10 +189,7 @@ async def test_a_request_failed_by_the_engine_ends_its_stream_and_aborts_its_sib
         async for _ in stream:
             pass
     stream.abort()
-    for _ in range(50):
-        if not core.scheduler.requests:
-            break
-        await asyncio.sleep(0.02)
+    await until_idle(core)
     assert core.aborted == ["r-0"]
     assert engine.running and engine.error is None  # the loop goes on
     after = await engine.submit("after", children(1))

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from llmpool.engine.server import limits
+from llmpool.protocol import limits
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"

@@ -17,10 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmpool.engine.server import limits
+from llmpool.protocol import limits
 
 MODEL = "smollm2-135m-instruct"
 VOCAB = 49152
@@ -189,12 +189,7 @@ def assert_served_or_refused(response: httpx.Response, body: dict[str, Any]) -> 
         assert response.json()["choices"], response.text[:500]
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@settings(settings.get_profile("llmpool-server"), max_examples=EXAMPLES)
 @given(request=REQUESTS)
 def test_any_body_is_served_or_refused_and_the_server_lives(http: httpx.Client, request) -> None:
     path, body = request

@@ -30,17 +30,10 @@ def stats(
     waiting_adapters: tuple[str, ...] = (),
 ) -> EngineStats:
     return EngineStats(
-        num_running=running,
-        num_waiting=waiting,
-        kv_cache_usage=usage,
-        num_free_blocks=10,
-        num_total_blocks=40,
-        num_preemptions=0,
-        prefix_cache_queries=0,
-        prefix_cache_hits=0,
-        running_adapters=running_adapters,
-        waiting_adapters=waiting_adapters,
-    )
+        num_running=running, num_waiting=waiting, kv_cache_usage=usage, num_free_blocks=10,
+        num_total_blocks=40, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
+        running_adapters=running_adapters, waiting_adapters=waiting_adapters,
+    )  # fmt: skip
 
 
 def test_interop_gauges_exist_at_zero_on_a_fresh_engine() -> None:

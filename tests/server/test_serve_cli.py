@@ -15,7 +15,7 @@ from llmpool.engine import model_source
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.server.cli import LoraModule, build_parser, engine_config, lora_modules
 from llmpool.engine.server.prompts import PromptBuilder
-from llmpool.engine.server.protocol import APIError
+from llmpool.protocol.errors import APIError
 
 # A template unlike the model's own, so that using it shows in the prompt token count.
 CUSTOM_TEMPLATE = (

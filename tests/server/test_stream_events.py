@@ -44,14 +44,16 @@ DELTAS = [
 def test_delta_events_equal_whole_chunks(tokenizer: Any, kind: str, top_logprobs: int | None):
     builder = ResponseBuilder(kind, "cmpl-1", "m\u00e9", tokenizer, top_logprobs)
     for delta in DELTAS:
-        choice: dict[str, Any] = {"index": 3}
-        if kind == "chat":
-            choice["delta"] = {"content": delta.new_text} if delta.new_text else {}
-        else:
-            choice["text"] = delta.new_text
-        choice["logprobs"] = builder._logprobs(delta.new_token_ids, delta.new_logprobs)
-        choice["finish_reason"] = delta.finish_reason if delta.finished else None
-        choice["stop_reason"] = delta.stop_reason if delta.finished else None
+        text = delta.new_text
+        content = {"delta": {"content": text} if text else {}} if kind == "chat" else {"text": text}
+        ended = delta.finished
+        choice = {
+            "index": 3,
+            **content,
+            "logprobs": builder._logprobs(delta.new_token_ids, delta.new_logprobs),
+            "finish_reason": delta.finish_reason if ended else None,
+            "stop_reason": delta.stop_reason if ended else None,
+        }
         event = builder.delta_event(3, delta)
         assert event == whole_chunk(builder, choice)
         assert event.startswith(b"data: ") and event.endswith(b"\n\n")

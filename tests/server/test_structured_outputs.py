@@ -18,7 +18,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.lib._parsing._completions import type_to_response_format_param
 from pydantic import BaseModel, Field
@@ -196,8 +196,8 @@ class Animal(BaseModel):
 
 
 class InvoiceLine(BaseModel):
-    product: ShortText
     amount: float = Field(ge=0, le=500)
+    product: ShortText
 
 
 class Invoice(BaseModel):
@@ -831,12 +831,7 @@ def assert_valid_answer(body: dict[str, Any], schemas: dict[str, Any], answer: d
         assert calls
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@settings(settings.get_profile("llmpool-server"), max_examples=EXAMPLES)
 @given(request=REQUESTS)
 def test_generated_schemas_and_tools_are_answered_validly_or_refused(
     http: httpx.Client, request: tuple[str, Any]

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from llmpool.engine.server.protocol import APIError
+from llmpool.protocol.errors import APIError
 
 logger = logging.getLogger(__name__)
 

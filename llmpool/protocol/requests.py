@@ -1,4 +1,4 @@
-"""OpenAI request bodies: read, type-check and turn into engine inputs, or fail as OpenAI does."""
+"""OpenAI request bodies: read and type-checked into requests, or refused as OpenAI does."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmpool.engine.priority import PRIORITY_CLASSES
-from llmpool.engine.sampling_params import SamplingParams
-from llmpool.engine.server.limits import (
+from llmpool.protocol.errors import bad_request
+from llmpool.protocol.limits import (
     MAX_CONTENT_PARTS,
     MAX_JSON_DEPTH,
     MAX_LOGIT_BIAS,
@@ -25,7 +24,7 @@ from llmpool.engine.server.limits import (
     STREAMED_RESPONSE_FACTOR,
     nesting_depth,
 )
-from llmpool.engine.structured_outputs import StructuredOutputsParams
+from llmpool.protocol.priority import PRIORITY_CLASSES
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields this server does not implement: refused by name rather than silently ignored.
@@ -33,7 +32,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED_FIELDS = ("functions", "function_call", "suffix", "echo")
 COMPLETION_ONLY_UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls")  # chat-only fields
 LEGACY_FUNCTION_FIELDS = {"functions": "tools", "function_call": "tool_choice"}
-# Every field the parsers read (here and in constraints.py); the others count as unknown.
+# Every field the parsers read (here and in the engine server's constraints.py); the others
+# count as unknown.
 COMMON_FIELDS = (
     "model", "n", "best_of", "stream", "stream_options", "stop", "stop_token_ids", "temperature",
     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -45,56 +45,6 @@ COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt")
 CHAT_FIELDS = (
     *COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
 )  # fmt: skip
-
-
-class APIError(Exception):
-    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except UnicodeDecodeError:
-        raise bad_request("the request body is not valid UTF-8") from None
-    except ValueError as error:
-        raise bad_request(f"the request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise bad_request("the request body nests arrays and objects too deeply") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
 
 
 def _check_shape(body: dict[str, Any], known: tuple[str, ...]) -> None:
@@ -204,23 +154,6 @@ class GenerationRequest:
     priority: int | None = None  # None: the engine's --priority-class
     cache_salt: str | None = None  # keeps this request's prefix-cache blocks apart
     sampling: dict[str, Any] = field(default_factory=dict)
-
-    def sampling_params(
-        self, max_tokens: int | None, structured_outputs: StructuredOutputsParams | None = None
-    ) -> SamplingParams:
-        try:
-            return SamplingParams(
-                n=self.n,
-                max_tokens=max_tokens,
-                logprobs=self.logprobs,
-                structured_outputs=structured_outputs,
-                **self.sampling,
-            )
-        except ValueError as error:
-            message = str(error)
-            # SamplingParams messages start with the field's name; name it as the param too.
-            name = message.split(" ", 1)[0]
-            raise bad_request(message, param=name if name in self.sampling else None) from None
 
     def check_response_size(self, max_tokens_per_prompt: list[int], limit: int) -> None:
         """Refuse an answer that could hold more than ``limit`` token entries (``n`` choices of
