@@ -251,7 +251,7 @@ class Phases:
         self.rows: list[tuple[str, float, dict[str, float]]] = []
 
     def run(
-        self, name: str, change: Callable[[], None], done: Callable[[], list[str] | None]
+        self, name: str, change: Callable[[], object], done: Callable[[], list[str] | None]
     ) -> None:
         """Switch the load to phase ``name``, make the change, wait until the pool has settled
         and every replica left has served in this phase."""
@@ -333,7 +333,7 @@ def deleted_and_evicted_pods(phases: Phases, cluster: ClusterHandle, namespace: 
     phases.run(
         "deleted pod",
         lambda: cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false"),
-        lambda: (p := settled(cluster, namespace, 2)) and victim not in p and p,
+        lambda: (p := settled(cluster, namespace, 2)) and victim not in p and p or None,
     )
 
     evicted, other = (p["metadata"]["name"] for p in pool_pods(cluster, namespace))
@@ -356,7 +356,7 @@ def deleted_and_evicted_pods(phases: Phases, cluster: ClusterHandle, namespace: 
     phases.run(
         "eviction",
         eviction,
-        lambda: (p := settled(cluster, namespace, 2)) and evicted not in p and p,
+        lambda: (p := settled(cluster, namespace, 2)) and evicted not in p and p or None,
     )
     assert "disruption budget" in refused[0], refused
 
