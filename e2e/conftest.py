@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from controlplane.cluster import Cluster  # noqa: E402
-from harness import IMAGE, ClusterHandle, wait_for  # noqa: E402
+from harness import IMAGE, ClusterHandle, create_namespace  # noqa: E402
 
 LOG_TAIL_LINES = 40
 
@@ -61,13 +61,6 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterHandle]:
 def namespace(cluster: ClusterHandle) -> Iterator[str]:
     """A fresh namespace per test, deleted (without waiting) afterwards."""
     name = f"e2e-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
-    # Pods are admitted only once the namespace has its default service account.
-    for kind, obj in (("serviceaccount", "default"), ("configmap", "kube-root-ca.crt")):
-        wait_for(
-            f"{kind} {obj} in {name}",
-            lambda k=kind, o=obj: cluster.kubectl("get", k, o, "-n", name, check=False),
-            30,
-        )
+    create_namespace(cluster, name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

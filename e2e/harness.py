@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -179,6 +180,25 @@ CRDS = ROOT / "crds"
 ENGINE_START_SECONDS = 600
 
 
+def create_namespace(cluster: ClusterHandle, name: str) -> None:
+    """Create namespace ``name`` and wait until pods can be admitted to it: once it has its
+    default service account (and the root CA ConfigMap pods mount)."""
+    cluster.kubectl("create", "namespace", name)
+    for kind, obj in (("serviceaccount", "default"), ("configmap", "kube-root-ca.crt")):
+        wait_for(
+            f"{kind} {obj} in {name}",
+            lambda k=kind, o=obj: cluster.kubectl("get", k, o, "-n", name, check=False),
+            30,
+        )
+
+
+def apply_crds(cluster: ClusterHandle, crds: Path = CRDS) -> None:
+    """The project's CRDs (from ``crds``), established (already there is fine)."""
+    cluster.kubectl("apply", "-f", str(crds))
+    for crd in ("llmpools.llmpool.dev", "llmpooldemands.llmpool.dev"):
+        cluster.kubectl("wait", "--for=condition=established", f"crd/{crd}")
+
+
 @contextmanager
 def namespace_operator(
     cluster: ClusterHandle, namespace: str, log_path: Path, *extra: str
@@ -186,9 +206,7 @@ def namespace_operator(
     """The real operator for one namespace (``extra``: more of its flags), its CRDs established
     first. At the end it is started again if a test stopped it, deletes the namespace's pools
     (it removes their finalizers), and stops."""
-    cluster.kubectl("apply", "-f", str(CRDS))
-    for crd in ("llmpools.llmpool.dev", "llmpooldemands.llmpool.dev"):
-        cluster.kubectl("wait", "--for=condition=established", f"crd/{crd}")
+    apply_crds(cluster)
     process = OperatorProcess(cluster, log_path, "-n", namespace, "--standalone", *extra)
     process.start()
     yield process
@@ -252,18 +270,30 @@ class GatewayProcess:
 
     def sent_to(self) -> dict[str, float]:
         """Requests the gateway sent, by replica (pod name)."""
-        totals: dict[str, float] = {}
-        for line in self.get("/metrics")[1].splitlines():
-            if line.startswith("llmpool_gateway:requests_total{"):
-                labels, value = line.rsplit(" ", 1)
-                replica = labels.split('replica="', 1)[1].split('"', 1)[0]
-                totals[replica] = totals.get(replica, 0.0) + float(value)
-        return totals
+        return totals_by(self.get("/metrics")[1], "llmpool_gateway:requests_total", "replica")
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=30)
+
+
+def samples(metrics: str, metric: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of one metric in a Prometheus text exposition: (labels, value) each."""
+    found = []
+    for line in metrics.splitlines():
+        if line.startswith(metric + "{"):
+            labels, value = line.rsplit(" ", 1)
+            found.append((dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
+    return found
+
+
+def totals_by(metrics: str, metric: str, label: str) -> dict[str, float]:
+    """One metric's samples summed by the value of ``label``."""
+    totals: dict[str, float] = {}
+    for labels, value in samples(metrics, metric):
+        totals[labels[label]] = totals.get(labels[label], 0.0) + value
+    return totals
 
 
 # OpenAI clients in a pod of the project's image (which carries the `bench` extra, hence
@@ -388,3 +418,40 @@ def engine_key(cluster: ClusterHandle, namespace: str, pool: str) -> str:
     caller of the pool's ``status.endpoint`` reads from the pool's Secret."""
     secret = cluster.get("secret", naming.engine_key_secret_name(pool), "-n", namespace)
     return base64.b64decode(secret["data"][ENGINE_KEY_FIELD]).decode()
+
+
+def patch_pool(cluster: ClusterHandle, namespace: str, pool: str, spec: dict[str, Any]) -> None:
+    """Merge ``spec`` into the pool's spec, as `kubectl patch --type=merge` does."""
+    cluster.kubectl(
+        "patch", "llmpool", pool, "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": spec}),
+    )  # fmt: skip
+
+
+# What a tampered chat template reads: the template every engine pod mounts, edited by hand.
+TAMPERED_TEMPLATE = "{{ messages }} tampered"
+
+
+def tamper_template(cluster: ClusterHandle, namespace: str, pool: str) -> None:
+    """Edit the chat template in the pool's ConfigMap (the operator, if running, restores it)."""
+    patch = {"data": {"template": TAMPERED_TEMPLATE}}
+    cluster.kubectl(
+        "patch", "configmap", naming.configmap_name(pool), "-n", namespace, "--type=merge",
+        "-p", json.dumps(patch),
+    )  # fmt: skip
+
+
+def deployment(
+    name: str, labels: dict[str, str], container: dict[str, Any], replicas: int
+) -> dict[str, Any]:
+    """A Deployment of ``replicas`` pods of one container, selected by ``labels``."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}},
+        },
+    }

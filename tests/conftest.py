@@ -94,15 +94,19 @@ def hf_greedy_reference(builtin_folder: Path) -> dict[tuple[int, ...], list[int]
     reference = {}
     with torch.inference_mode():
         for prompt in PROMPTS:
-            ids = tokenizer.encode(prompt)
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=REFERENCE_NEW_TOKENS,
-                min_new_tokens=REFERENCE_NEW_TOKENS,
-                do_sample=False,
-            )
-            reference[tuple(ids)] = out[0, len(ids) :].tolist()
+            ids = tuple(tokenizer.encode(prompt))
+            reference[ids] = greedy_continuation(model, tokenizer, prompt, REFERENCE_NEW_TOKENS)
     return reference
+
+
+def greedy_continuation(model: Any, tokenizer: Any, prompt: str, tokens: int) -> list[int]:
+    """An HF model's ``generate()`` greedy continuation of ``prompt``, exactly ``tokens`` tokens
+    long (EOS suppressed until then)."""
+    ids = tokenizer.encode(prompt)
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False
+    )
+    return out[0, len(ids) :].tolist()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from llmpool.engine.llm import LLM
 from llmpool.engine.lora import LoRARequest
 from llmpool.engine.sampling_params import SamplingParams
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, greedy_continuation
 
 NEW_TOKENS = 24
 LORA_PROMPTS = [PROMPTS[0], PROMPTS[3], PROMPTS[5]]
@@ -61,18 +61,10 @@ def peft_reference(
     for name, folder in peft_adapters.items():
         base = AutoModelForCausalLM.from_pretrained(builtin_folder, dtype=torch.float32)
         model = PeftModel.from_pretrained(base, folder).eval()
-        outputs = []
         with torch.inference_mode():
-            for prompt in LORA_PROMPTS:
-                ids = tokenizer.encode(prompt)
-                out = model.generate(
-                    torch.tensor([ids]),
-                    max_new_tokens=NEW_TOKENS,
-                    min_new_tokens=NEW_TOKENS,
-                    do_sample=False,
-                )
-                outputs.append(out[0, len(ids) :].tolist())
-        reference[name] = outputs
+            reference[name] = [
+                greedy_continuation(model, tokenizer, prompt, NEW_TOKENS) for prompt in LORA_PROMPTS
+            ]
     return reference
 
 

@@ -204,25 +204,9 @@ def _build_command(
     component: str, version: str, module: str, cmd: str, binary: str, ldflags: str
 ) -> Path:
     """Build the command at ``module/cmd`` (a main package of a required module)."""
-    out = _bin_dir(component, version)
-    if _is_built(out, binary):
-        return out
-    src = _src_dir(component, version)
     package = f"{module}/{cmd}"
-    _write(
-        src / "go.mod",
-        f"module llmpool.local/e2e/{component}\n\ngo 1.23.0\n\nrequire {module} {version}\n",
-    )
-    _write(src / "tools.go", _tools_go([package]))
-    _download(src, f"{component} {version}")
-    out.mkdir(parents=True, exist_ok=True)
-    _go(
-        ["build", "-trimpath", "-ldflags", ldflags, "-o", str(out / binary), package],
-        src,
-        f"compile {binary}",
-    )
-    _finish(out)
-    return out
+    tools = {"tools.go": _tools_go([package])}
+    return _build_module(component, version, f"{module} {version}", tools, package, binary, ldflags)
 
 
 def build_helm(version: str = versions.HELM) -> Path:
@@ -234,17 +218,28 @@ def _build_main(
     component: str, version: str, require: str, main_go: str, binary: str, ldflags: str = "-s -w"
 ) -> Path:
     """Build one command from a generated ``main.go`` in a module that requires ``require``."""
+    files = {"main.go": main_go}
+    return _build_module(component, version, require, files, ".", binary, ldflags)
+
+
+def _build_module(
+    component: str, version: str, require: str, files: dict[str, str], package: str,
+    binary: str, ldflags: str,
+) -> Path:  # fmt: skip
+    """Build ``package`` as ``binary`` in a generated module that requires ``require`` (none
+    when empty) and holds ``files``; a component already built is left as it is."""
     out = _bin_dir(component, version)
     if _is_built(out, binary):
         return out
     src = _src_dir(component, version)
     module = f"module llmpool.local/e2e/{component}\n\ngo 1.23.0\n"
     _write(src / "go.mod", module + (f"\nrequire {require}\n" if require else ""))
-    _write(src / "main.go", main_go)
+    for name, text in files.items():
+        _write(src / name, text)
     _download(src, f"{component} {version}")
     out.mkdir(parents=True, exist_ok=True)
     _go(
-        ["build", "-trimpath", "-ldflags", ldflags, "-o", str(out / binary), "."],
+        ["build", "-trimpath", "-ldflags", ldflags, "-o", str(out / binary), package],
         src,
         f"compile {binary}",
     )

@@ -29,6 +29,7 @@ from harness import (
     grew,
     live_pods,
     namespace_operator,
+    patch_pool,
     pool_status,
     replace_first_pod,
     run_client_job,
@@ -57,10 +58,15 @@ def readable(folder: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
+def builtin_shape() -> LlamaShape:
+    """The shape of the built-in model, which the adapters fit."""
+    return LlamaShape.from_hf_config(AutoConfig.from_pretrained(model_source.resolve(None).folder))
+
+
 @pytest.fixture
 def adapters(namespace: str) -> Iterator[tuple[Path, dict[str, str]]]:
     """Three random adapters of the built-in model on the node: their folder and digests."""
-    shape = LlamaShape.from_hf_config(AutoConfig.from_pretrained(model_source.resolve(None).folder))
+    shape = builtin_shape()
     root = ADAPTER_ROOT / namespace
     digests = {
         name: random_adapter(root / name, shape, modules, rank=8, alpha=16, seed=seed, std=STD)
@@ -134,14 +140,12 @@ def sent_round(gateway: GatewayProcess, model: str, count: int) -> dict[str, flo
     return grew(before, gateway.sent_to())
 
 
-def test_pinned_adapters_load_live_drift_and_route(
-    cluster: ClusterHandle,
-    namespace: str,
-    adapters: tuple[Path, dict[str, str]],
-    operator: OperatorProcess,
-    gateway: GatewayProcess,
-) -> None:
-    root, digests = adapters
+def serve_adapters_a_and_b(
+    cluster: ClusterHandle, namespace: str, gateway: GatewayProcess, root: Path,
+    digests: dict[str, str],
+) -> None:  # fmt: skip
+    """The pool pins a and b: both load on both replicas and route by name, through the gateway
+    and through status.endpoint."""
     documents = example("smollm2-interactive.yaml", replicas=2)
     spec = documents[-1]["spec"]
     spec["drift"] = {"policy": "Report", "intervalSeconds": DRIFT_INTERVAL_SECONDS}
@@ -170,14 +174,20 @@ def test_pinned_adapters_load_live_drift_and_route(
     logs = run_client_job(cluster, namespace, "adapter-client", POOL, endpoint, "b", "2")
     assert logs.split()[0] == "b", logs
 
-    # Tampered: with the operator away, a's files change and one pod restarts on them.
+
+def tampered_adapter_drifts(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess, gateway: GatewayProcess,
+    root: Path,
+) -> tuple[str, str]:  # fmt: skip
+    """With the operator away, a's files change and one pod restarts on them; then a goes only
+    where its pinned files are, b and the base model to both replicas; last, a's files are
+    restored. (The healthy pod, the drifted one.)"""
     operator.stop()
     try:
         original = {f.name: f.read_bytes() for f in (root / "a").iterdir()}
-        shape = LlamaShape.from_hf_config(
-            AutoConfig.from_pretrained(model_source.resolve(None).folder)
+        random_adapter(
+            root / "a", builtin_shape(), MODULES["a"], rank=8, alpha=16, seed=99, std=STD
         )
-        random_adapter(root / "a", shape, MODULES["a"], rank=8, alpha=16, seed=99, std=STD)
         readable(root / "a")
         before, victim, drifted = replace_first_pod(cluster, namespace, POOL)
     finally:
@@ -198,25 +208,34 @@ def test_pinned_adapters_load_live_drift_and_route(
     assert sent_round(gateway, "a", 8) == {healthy: 8}
     wait_for("b on both replicas", lambda: len(sent_round(gateway, "b", 12)) == 2, 60)
     assert len(sent_round(gateway, MODEL, 12)) == 2
-
     # Healed: the files restored, a pod that failed to load a loads it at the next check.
     for name, data in original.items():
         (root / "a" / name).write_bytes(data)
+    return healthy, drifted
+
+
+def drift_healed(
+    cluster: ClusterHandle, namespace: str, gateway: GatewayProcess, pods: list[str]
+) -> None:
+    """a is back on both ``pods`` and the drift gone, in the status and in the routing."""
 
     def healed() -> dict[str, Any] | None:
         status = pool_status(cluster, namespace, POOL)
-        both = served_on(status, "a") == sorted([healthy, drifted])
+        both = served_on(status, "a") == sorted(pods)
         return status if both and not status.get("drift") else None
 
     wait_for("the drift healed", healed, 2 * DRIFT_INTERVAL_SECONDS + 60, 1)
     wait_for("a on both replicas again", lambda: len(sent_round(gateway, "a", 12)) == 2, 60)
 
-    # A third adapter in the spec is served on every replica without a pod restart.
+
+def third_adapter_without_restart(
+    cluster: ClusterHandle, namespace: str, gateway: GatewayProcess, root: Path,
+    digests: dict[str, str],
+) -> dict[str, tuple[str, int]]:  # fmt: skip
+    """A third adapter in the spec is served on every replica without a pod restart: the pods
+    (``pods_by_uid``), unchanged."""
     pods = pods_by_uid(cluster, namespace)
-    spec_patch = {"spec": {"adapters": adapter_spec(root, digests, ["a", "b", "c"])}}
-    cluster.kubectl(
-        "patch", "llmpool", POOL, "-n", namespace, "--type=merge", "-p", json.dumps(spec_patch)
-    )
+    patch_pool(cluster, namespace, POOL, {"adapters": adapter_spec(root, digests, ["a", "b", "c"])})
     names = sorted(name for name, _ in pods.values())
     wait_for(
         "adapter c on both replicas",
@@ -226,10 +245,15 @@ def test_pinned_adapters_load_live_drift_and_route(
     )
     wait_for("c through the gateway", lambda: complete(gateway, "c", "hi")[0] == 200, 60)
     assert pods_by_uid(cluster, namespace) == pods
+    return pods
 
-    # Bad adapters and bad requests are 4xx; the replica stays healthy and keeps its adapters.
+
+def bad_adapters_are_refused(
+    cluster: ClusterHandle, namespace: str, gateway: GatewayProcess, root: Path
+) -> None:
+    """Bad adapters and bad requests are 4xx; the replica stays healthy."""
     big = root / "rank32"
-    random_adapter(big, shape, ["q_proj"], rank=32, alpha=32, seed=5)
+    random_adapter(big, builtin_shape(), ["q_proj"], rank=32, alpha=32, seed=5)
     readable(big)
     pod = live_pods(cluster, namespace, POOL)[0]
     url = f"http://{pod['status']['podIP']}:8000"
@@ -245,6 +269,21 @@ def test_pinned_adapters_load_live_drift_and_route(
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     status_code, answer = complete(gateway, "no-such-adapter", "hi")
     assert status_code == 404, answer
+
+
+def test_pinned_adapters_load_live_drift_and_route(
+    cluster: ClusterHandle,
+    namespace: str,
+    adapters: tuple[Path, dict[str, str]],
+    operator: OperatorProcess,
+    gateway: GatewayProcess,
+) -> None:
+    root, digests = adapters
+    serve_adapters_a_and_b(cluster, namespace, gateway, root, digests)
+    healthy, drifted = tampered_adapter_drifts(cluster, namespace, operator, gateway, root)
+    drift_healed(cluster, namespace, gateway, [healthy, drifted])
+    kept = third_adapter_without_restart(cluster, namespace, gateway, root, digests)
+    bad_adapters_are_refused(cluster, namespace, gateway, root)
     for reason in ("AdapterLoaded", "AdapterLoadFailed"):
         event_saying(cluster, namespace, reason, POOL)
-    assert pods_by_uid(cluster, namespace) == pods
+    assert pods_by_uid(cluster, namespace) == kept

@@ -6,14 +6,14 @@ import urllib.request
 from typing import Any
 
 import pytest
-from harness import IMAGE, ClusterHandle, pod_ready, wait_for
+from harness import IMAGE, ClusterHandle, deployment, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
 LABELS = {"app": "web"}
 
 
-def deployment(replicas: int) -> dict[str, Any]:
+def web_deployment(replicas: int) -> dict[str, Any]:
     container = {
         "name": "web",
         "image": IMAGE,
@@ -23,16 +23,7 @@ def deployment(replicas: int) -> dict[str, Any]:
         "ports": [{"name": "http", "containerPort": 8080}],
         "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
     }
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "web"},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": LABELS},
-            "template": {"metadata": {"labels": LABELS}, "spec": {"containers": [container]}},
-        },
-    }
+    return deployment("web", LABELS, container, replicas)
 
 
 def ready_pods(cluster: ClusterHandle, namespace: str, count: int) -> list[dict[str, Any]]:
@@ -53,7 +44,7 @@ def answers(ip: str) -> bool:
 
 
 def test_deployment_runs_scales_and_is_collected(cluster: ClusterHandle, namespace: str) -> None:
-    cluster.apply(deployment(2), namespace=namespace)
+    cluster.apply(web_deployment(2), namespace=namespace)
     pods = ready_pods(cluster, namespace, 2)
     ips = {p["status"]["podIP"] for p in pods}
     assert len(ips) == 2, ips

@@ -9,8 +9,8 @@ with the admin kubeconfig and reaches the pods by pod IP.
 
 from __future__ import annotations
 
+import itertools
 import json
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -24,17 +24,23 @@ import yaml
 from harness import (
     ENGINE_START_SECONDS,
     IMAGE,
+    ROOT,
     ClusterHandle,
     GatewayProcess,
     OperatorProcess,
+    apply_crds,
     condition,
     example,
     grew,
     live_pods,
     namespace_operator,
+    patch_pool,
     pod_ready,
     pool_status,
     replace_first_pod,
+    samples,
+    tamper_template,
+    totals_by,
     wait_for,
     wait_pool_ready,
 )
@@ -47,7 +53,6 @@ from llmpool.operator.spec import PoolSpec
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 POOL = "smollm2-chat"
 MODEL = "smollm2"
 # IMAGE, the engine image every operator of the suite gives pools (LLMPOOL_ENGINE_IMAGE): an
@@ -75,8 +80,7 @@ def pool_object() -> dict[str, Any]:
 @pytest.fixture
 def engines(cluster: ClusterHandle, namespace: str) -> tuple[list[str], str]:
     """The pool, its Service and Deployment as the operator renders them: ready pods, digest."""
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=established", "crd/llmpools.llmpool.dev")
+    apply_crds(cluster)
     obj = pool_object()
     spec = PoolSpec.from_dict(obj["spec"])
     digest = pinning.pinned_digest(pinning.pinned_from_spec(obj["spec"], None))
@@ -119,14 +123,24 @@ def gateway(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> Iterator[
     process.stop()
 
 
-def test_the_gateway_routes_by_endpointslices_and_pool_status(
-    cluster: ClusterHandle,
-    namespace: str,
-    engines: tuple[list[str], str],
-    gateway: GatewayProcess,
-) -> None:
+@pytest.fixture
+def marked_ready(
+    cluster: ClusterHandle, namespace: str, engines: tuple[list[str], str], gateway: GatewayProcess
+) -> list[str]:
+    """The pods of ``engines``, their pool marked Ready once the gateway runs (``mark_ready``)."""
     pods, digest = engines
     mark_ready(cluster, namespace, digest)
+    return pods
+
+
+# Prompts of as many tenants, so that the prefix keys spread them over the replicas.
+PROMPTS = [f"Tenant {tenant} asks about the weather" for tenant in range(12)]
+
+
+def test_the_gateway_routes_by_endpointslices_and_pool_status(
+    cluster: ClusterHandle, namespace: str, marked_ready: list[str], gateway: GatewayProcess
+) -> None:
+    pods = marked_ready
     listed = wait_for(
         "the model listed",
         lambda: json.loads(gateway.get("/v1/models")[1])["data"],
@@ -134,8 +148,7 @@ def test_the_gateway_routes_by_endpointslices_and_pool_status(
     )
     assert [m["id"] for m in listed] == [MODEL]
 
-    prompts = [f"Tenant {tenant} asks about the weather" for tenant in range(12)]
-    for prompt in prompts:
+    for prompt in PROMPTS:
         status, body = gateway.complete(prompt, MODEL)
         assert status == 200, body
     spread = gateway.sent_to()
@@ -145,26 +158,26 @@ def test_the_gateway_routes_by_endpointslices_and_pool_status(
     drifted, healthy = pods
     entry = {"pod": drifted, "field": "chatTemplateSha256", "expected": "a", "actual": "b"}
     set_status(cluster, namespace, {"drift": [entry]})
-    wait_for("the drift seen", lambda: _drift_applied(gateway, prompts, drifted), 30, 0.5)
+    wait_for("the drift seen", lambda: _drift_applied(gateway, drifted), 30, 0.5)
     before = gateway.sent_to()
-    for prompt in prompts:
+    for prompt in PROMPTS:
         assert gateway.complete(prompt, MODEL)[0] == 200
     after = gateway.sent_to()
     assert after.get(drifted, 0) == before.get(drifted, 0)
-    assert after[healthy] - before[healthy] == len(prompts)
+    assert after[healthy] - before[healthy] == len(PROMPTS)
 
     # Healed: it takes its share again.
     set_status(cluster, namespace, {"drift": []})
-    wait_for("the drifted pod back", lambda: _drift_applied(gateway, prompts, None), 30, 0.5)
+    wait_for("the drifted pod back", lambda: _drift_applied(gateway, None), 30, 0.5)
 
     status, body = gateway.complete("Hello", "no-such-model")
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
-def _drift_applied(gateway: GatewayProcess, prompts: list[str], drifted: str | None) -> bool:
-    """Whether one round of prompts matches the drift state: none to ``drifted``, or some to all."""
+def _drift_applied(gateway: GatewayProcess, drifted: str | None) -> bool:
+    """Whether one round of PROMPTS matches the drift state: none to ``drifted``, or some to all."""
     before = gateway.sent_to()
-    for prompt in prompts:
+    for prompt in PROMPTS:
         gateway.complete(prompt, MODEL)
     after = gateway.sent_to()
     got = {pod: after[pod] - before.get(pod, 0) for pod in after}
@@ -179,22 +192,14 @@ BATCH_POOL = "smollm2-batch"
 DRIFT_INTERVAL_SECONDS = 3
 
 
-def samples(gateway: GatewayProcess, metric: str) -> list[tuple[dict[str, str], float]]:
+def gateway_samples(gateway: GatewayProcess, metric: str) -> list[tuple[dict[str, str], float]]:
     """The samples of one gateway metric: (labels, value) each."""
-    found = []
-    for line in gateway.get("/metrics")[1].splitlines():
-        if line.startswith(metric + "{"):
-            labels, value = line.rsplit(" ", 1)
-            found.append((dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
-    return found
+    return samples(gateway.get("/metrics")[1], metric)
 
 
 def sent_by(gateway: GatewayProcess, label: str) -> dict[str, float]:
     """Requests the gateway sent to a replica, summed by ``label`` (pool, replica, decision)."""
-    totals: dict[str, float] = {}
-    for labels, value in samples(gateway, "llmpool_gateway:requests_total"):
-        totals[labels[label]] = totals.get(labels[label], 0.0) + value
-    return totals
+    return totals_by(gateway.get("/metrics")[1], "llmpool_gateway:requests_total", label)
 
 
 def post(
@@ -257,18 +262,13 @@ def test_a_replica_made_to_drift_gets_nothing_until_healed(
     pool["spec"]["drift"] = {"policy": "Report", "intervalSeconds": DRIFT_INTERVAL_SECONDS}
     cluster.apply(*documents, namespace=namespace)
     wait_pool_ready(cluster, namespace, POOL)
-    prompts = [f"Tenant {tenant} asks about the weather" for tenant in range(12)]
-    wait_for("traffic on both replicas", lambda: len(_round(gateway, prompts)) == 2, 30, 0.5)
+    wait_for("traffic on both replicas", lambda: len(_round(gateway)) == 2, 30, 0.5)
 
     # As in test_operator.py: with the operator away (it would restore the ConfigMap at once),
     # edit the template every pod mounts and restart one pod, which now runs another template.
     operator.stop()
     try:
-        patch = {"data": {"template": "{{ messages }} tampered"}}
-        cluster.kubectl(
-            "patch", "configmap", naming.configmap_name(POOL), "-n", namespace, "--type=merge",
-            "-p", json.dumps(patch),
-        )  # fmt: skip
+        tamper_template(cluster, namespace, POOL)
         before, victim, drifted = replace_first_pod(cluster, namespace, POOL)
     finally:
         operator.start()
@@ -283,18 +283,15 @@ def test_a_replica_made_to_drift_gets_nothing_until_healed(
 
     # From the report on: the drifted pod gets nothing while the pool answers every request.
     before_counts = gateway.sent_to()
-    for prompt in prompts:
+    for prompt in PROMPTS:
         status_code, answer = gateway.complete(prompt, MODEL)
         assert status_code == 200, answer
     got = grew(before_counts, gateway.sent_to())
-    assert got == {healthy: len(prompts)}, got
+    assert got == {healthy: len(PROMPTS)}, got
     assert [e["pod"] for e in pool_status(cluster, namespace, POOL)["drift"]] == [drifted]
 
     # Healed: the operator recreates the pod (from the restored template); both take traffic.
-    cluster.kubectl(
-        "patch", "llmpool", POOL, "-n", namespace, "--type=merge",
-        "-p", json.dumps({"spec": {"drift": {"policy": "Recreate"}}}),
-    )  # fmt: skip
+    patch_pool(cluster, namespace, POOL, {"drift": {"policy": "Recreate"}})
 
     def healed() -> list[str] | None:
         status = pool_status(cluster, namespace, POOL)
@@ -303,16 +300,14 @@ def test_a_replica_made_to_drift_gets_nothing_until_healed(
         return pods if done and condition(status, "Ready").get("status") == "True" else None
 
     pods = wait_for("the drifted pod recreated", healed, ENGINE_START_SECONDS, 1)
-    wait_for(
-        "traffic on both replicas again", lambda: sorted(_round(gateway, prompts)) == pods, 30, 0.5
-    )
+    wait_for("traffic on both replicas again", lambda: sorted(_round(gateway)) == pods, 30, 0.5)
     assert gateway.sent_to().get(drifted, 0) == 0  # never, over its whole life
 
 
-def _round(gateway: GatewayProcess, prompts: list[str]) -> dict[str, float]:
+def _round(gateway: GatewayProcess) -> dict[str, float]:
     """One request per prompt, each answered; what each replica got."""
     before = gateway.sent_to()
-    for prompt in prompts:
+    for prompt in PROMPTS:
         status, answer = gateway.complete(prompt, MODEL)
         assert status == 200, answer
     return grew(before, gateway.sent_to())
@@ -343,22 +338,22 @@ def _stream(gateway: GatewayProcess, body: dict[str, Any], started: threading.Ev
 def in_flight(gateway: GatewayProcess) -> dict[str, float]:
     return {
         labels["replica"]: value
-        for labels, value in samples(gateway, "llmpool_gateway:in_flight_requests")
+        for labels, value in gateway_samples(gateway, "llmpool_gateway:in_flight_requests")
     }
 
 
 def ranked_first(pod: str, pods: list[str], stem: str, count: int) -> list[str]:
     """``count`` prompts whose prefix key ranks ``pod`` first among ``pods`` (computed)."""
     candidates = [routing.Candidate(Replica(name, name), 0.0, None) for name in pods]
-    found = []
-    for index in range(1000):
-        text = f"{stem} {index}: once upon a time"
+
+    def first(text: str) -> str:
         key = routing.prefix_key(routing.prompt_text({"prompt": text}))
-        if routing.rank(key, candidates)[0].replica.name == pod:
-            found.append(text)
-            if len(found) == count:
-                return found
-    raise AssertionError(f"no {count} prompts rank {pod} first")
+        return routing.rank(key, candidates)[0].replica.name
+
+    texts = (f"{stem} {index}: once upon a time" for index in range(1000))
+    found = list(itertools.islice((text for text in texts if first(text) == pod), count))
+    assert len(found) == count, f"no {count} prompts rank {pod} first"
+    return found
 
 
 def well_formed_error(answer: dict[str, Any]) -> bool:
@@ -366,24 +361,13 @@ def well_formed_error(answer: dict[str, Any]) -> bool:
     return isinstance(error, dict) and {"message", "type", "code"} <= set(error)
 
 
-def test_killing_a_replica_mid_load_retries_requests_and_ends_streams(
-    cluster: ClusterHandle,
-    namespace: str,
-    engines: tuple[list[str], str],
-    gateway: GatewayProcess,
-) -> None:
-    pods, digest = engines
-    mark_ready(cluster, namespace, digest)
-    prompts = [f"Tenant {tenant} asks about the weather" for tenant in range(12)]
-    wait_for("traffic on both replicas", lambda: len(_round(gateway, prompts)) == 2, 30)
-    # No replacement for the killed pod: its engine start would only slow the rest down.
-    for kind in ("deployment", "replicaset"):
-        cluster.kubectl(
-            "delete", kind, "-n", namespace, "-l", naming.selector_string(POOL), "--cascade=orphan"
-        )
-
-    # Prompts whose prefix key ranks a given pod first, as the gateway ranks them: two streams
-    # on each replica, then requests that the victim takes until it reaches its load bound.
+def kill_mid_load(
+    cluster: ClusterHandle, namespace: str, gateway: GatewayProcess, pods: list[str]
+) -> tuple[list[str], list[tuple[int, dict[str, Any]]], list[list[str]]]:
+    """Kill the first of ``pods`` (the victim) under load: two streams on each replica, then
+    requests that the victim takes until it reaches its load bound, then requests that start
+    after the kill. The streams' prompts, every answer and each stream's events."""
+    # Prompts whose prefix key ranks a given pod first, as the gateway ranks them.
     victim, survivor = pods
     long = {"model": MODEL, "max_tokens": 64, "ignore_eos": True, "temperature": 0}
     stories = ranked_first(victim, pods, "Story", 2) + ranked_first(survivor, pods, "Story", 2)
@@ -415,12 +399,12 @@ def test_killing_a_replica_mid_load_retries_requests_and_ends_streams(
         answers = [f.result(timeout=2 * CLIENT_TIMEOUT_SECONDS) for f in requests + later]
         events = [f.result(timeout=2 * CLIENT_TIMEOUT_SECONDS) for f in streams]
     print(f"all answered {time.monotonic() - killed_at:.1f}s after the kill")
+    return stories, answers, events
 
-    for status, answer in answers:
-        assert status == 200 or well_formed_error(answer), (status, answer)
-    # Not even an error: the requests the victim held were retried on the survivor.
-    assert [status for status, _ in answers] == [200] * len(answers), answers
 
+def broken_streams(stories: list[str], events: list[list[str]]) -> list[str]:
+    """The stories whose stream ended with an error event; every stream ends with [DONE], and
+    one not broken with its whole length."""
     broken = []
     for story, stream in zip(stories, events, strict=True):
         assert stream[-1] == "[DONE]", stream[-3:]
@@ -430,11 +414,32 @@ def test_killing_a_replica_mid_load_retries_requests_and_ends_streams(
             assert chunks[-1]["error"]["code"] == "upstream_stream_broken", chunks[-1]
         else:
             assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+    return broken
+
+
+def test_killing_a_replica_mid_load_retries_requests_and_ends_streams(
+    cluster: ClusterHandle, namespace: str, marked_ready: list[str], gateway: GatewayProcess
+) -> None:
+    pods = marked_ready
+    wait_for("traffic on both replicas", lambda: len(_round(gateway)) == 2, 30)
+    # No replacement for the killed pod: its engine start would only slow the rest down.
+    for kind in ("deployment", "replicaset"):
+        cluster.kubectl(
+            "delete", kind, "-n", namespace, "-l", naming.selector_string(POOL), "--cascade=orphan"
+        )
+    victim = pods[0]
+    stories, answers, events = kill_mid_load(cluster, namespace, gateway, pods)
+
+    for status, answer in answers:
+        assert status == 200 or well_formed_error(answer), (status, answer)
+    # Not even an error: the requests the victim held were retried on the survivor.
+    assert [status for status, _ in answers] == [200] * len(answers), answers
+    broken = broken_streams(stories, events)
     assert broken == stories[:2], events  # the streams the victim relayed, and only those
 
     errors = {
         labels["kind"]: value
-        for labels, value in samples(gateway, "llmpool_gateway:upstream_errors_total")
+        for labels, value in gateway_samples(gateway, "llmpool_gateway:upstream_errors_total")
         if labels["replica"] == victim
     }
     assert errors.get("stream") == len(broken), errors

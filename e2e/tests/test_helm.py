@@ -15,24 +15,28 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from harness import (
     IMAGE,
+    ROOT,
     ClusterHandle,
+    apply_crds,
+    create_namespace,
     engine_key,
     event_saying,
+    live_pods,
+    patch_pool,
     pod_ready,
     run_client_job,
+    tamper_template,
     wait_for,
 )
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "llmpool"
 EXAMPLES = [
     ROOT / "examples" / "smollm2-interactive.yaml",
@@ -41,7 +45,7 @@ EXAMPLES = [
 RELEASE = "llmpool"
 FULLNAME = "llmpool"  # the release name contains the chart name (templates/_helpers.tpl)
 INSTANCE_LABEL = f"app.kubernetes.io/instance={RELEASE}"
-POOL_LABEL = "llmpool.dev/pool"
+CHAT = "smollm2-chat"
 HELM_TIMEOUT_SECONDS = 300
 ENGINE_START_SECONDS = 600  # two engines loading the model at once on a busy machine
 # The engine image the operator gives pools without spec.image: the one every operator of the
@@ -198,12 +202,7 @@ def leftovers(cluster: ClusterHandle, namespaces: list[str]) -> list[str]:
 def pools_namespace(cluster: ClusterHandle, namespace: str) -> Iterator[str]:
     """A second namespace for the pools: the operator lives in ``namespace`` and serves this."""
     name = f"{namespace}-pools"
-    cluster.kubectl("create", "namespace", name)
-    wait_for(
-        f"serviceaccount default in {name}",
-        lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False),
-        30,
-    )
+    create_namespace(cluster, name)
     yield name
     cluster.kubectl("delete", "llmpool", "--all", "-n", name, "--wait=false", check=False)
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
@@ -212,101 +211,114 @@ def pools_namespace(cluster: ClusterHandle, namespace: str) -> Iterator[str]:
 @pytest.fixture
 def crds(cluster: ClusterHandle) -> None:
     """The CRDs, as helm would install them from the chart's crds/ (already there is fine)."""
-    cluster.kubectl("apply", "-f", str(CHART / "crds"))
-    for crd in ("llmpools.llmpool.dev", "llmpooldemands.llmpool.dev"):
-        cluster.kubectl("wait", "--for=condition=established", f"crd/{crd}")
+    apply_crds(cluster, CHART / "crds")
+
+
+def install(cluster: ClusterHandle, namespace: str, *values: str) -> None:
+    helm(cluster, "install", RELEASE, *install_args(namespace, *values))
+
+
+def uninstall(cluster: ClusterHandle, namespace: str) -> None:
+    helm(cluster, "uninstall", RELEASE, "-n", namespace, "--wait", "--timeout=120s")
+
+
+def the_operator_pod_as_the_chart_runs_it(
+    cluster: ClusterHandle, namespace: str, pools_namespace: str
+) -> dict[str, Any]:
+    """The operator is a pod of the chart's Deployment, under the chart's ServiceAccount."""
+    (pod,) = operator_pods(cluster, namespace)
+    assert pod_ready(pod)
+    assert pod["spec"]["serviceAccountName"] == FULLNAME
+    assert f"--namespace={pools_namespace}" in pod["spec"]["containers"][0]["args"]
+    # Pools may name only the chart's image repository (ENGINE_IMAGE, the operator's own
+    # engine image, is always allowed) and mount no node path.
+    assert "--allowed-image=ghcr.io/llmpool/llmpool" in pod["spec"]["containers"][0]["args"]
+    return pod
+
+
+def engines_answer_only_the_fleet(
+    cluster: ClusterHandle, pools_namespace: str, ready: list[dict[str, Any]]
+) -> None:
+    """Each Ready pool's engine answers with the pool's key, and refuses a call without it."""
+    for pool in ready:
+        name = pool["metadata"]["name"]
+        status = pool["status"]
+        assert status["readyReplicas"] == TEST_SIZES[name]["replicas"]
+        assert status["endpoint"] == f"http://{name}.{pools_namespace}.svc:8000/v1"
+        (engine,) = ready_engines(cluster, pools_namespace, name)
+        served_name = pool["spec"]["model"]["servedName"]
+        key = engine_key(cluster, pools_namespace, name)
+        reply = chat_on_pod_ip(engine["status"]["podIP"], served_name, key)
+        # Engines answer only the fleet: without the pool's key, a direct call is refused.
+        with pytest.raises(AssertionError, match="401"):
+            chat_on_pod_ip(engine["status"]["podIP"], served_name, "unused")
+        assert reply.split()[0] == served_name, reply
+
+
+def the_gateway_serves_both_pools(
+    cluster: ClusterHandle, namespace: str, ready: list[dict[str, Any]]
+) -> None:
+    """One base URL serves both pools by model name: the chart's gateway, by its Service."""
+    gateway = cluster.get("service", "llmpool-gateway", "-n", namespace)
+    gateway_url = f"http://{gateway['spec']['clusterIP']}:8080/v1"
+    served = sorted({pool["spec"]["model"]["servedName"] for pool in ready})
+    assert sorted(m["id"] for m in list_models(gateway_url)) == served
+    for served_name in served:
+        reply = chat_on_url(gateway_url, served_name)
+        assert reply.split()[0] == served_name, reply
+
+
+def an_upgrade_takes_over(
+    cluster: ClusterHandle, namespace: str, pools_namespace: str, old_uid: str
+) -> None:
+    """Upgrade with changed values: a new operator pod with the new arguments takes over."""
+    helm(
+        cluster, "upgrade", RELEASE,
+        *install_args(namespace, "logLevel=verbose", "podAnnotations.llmpool-e2e=upgraded"),
+        "--reuse-values",
+    )  # fmt: skip
+    assert (
+        json.loads(helm(cluster, "status", RELEASE, "-n", namespace, "-o", "json"))["version"] == 2
+    )
+
+    def upgraded_pod_alone() -> list[dict[str, Any]] | None:
+        pods = operator_pods(cluster, namespace)
+        alone = len(pods) == 1 and pods[0]["metadata"]["uid"] != old_uid
+        return pods if alone and pod_ready(pods[0]) else None
+
+    (pod,) = wait_for("the upgraded operator pod alone", upgraded_pod_alone, 120)
+    assert "--verbose" in pod["spec"]["containers"][0]["args"]
+    assert pod["metadata"]["annotations"]["llmpool-e2e"] == "upgraded"
+    # ... and it reconciles: a spec change that rolls nothing is observed.
+    patch_pool(cluster, pools_namespace, "smollm2-batch", {"drift": {"intervalSeconds": 45}})
+
+    def reconciled() -> bool:
+        pool = cluster.get("llmpool", "smollm2-batch", "-n", pools_namespace)
+        return pool["status"].get("observedGeneration") == pool["metadata"]["generation"]
+
+    wait_for("the upgraded operator to reconcile the patched pool", reconciled, 120)
 
 
 def test_install_serve_upgrade_uninstall(
     cluster: ClusterHandle, namespace: str, pools_namespace: str
 ) -> None:
-    helm(
-        cluster,
-        "install",
-        RELEASE,
-        *install_args(
-            namespace, f"watchNamespaces={{{pools_namespace}}}", f"engineImage={ENGINE_IMAGE}"
-        ),
+    install(
+        cluster, namespace, f"watchNamespaces={{{pools_namespace}}}", f"engineImage={ENGINE_IMAGE}"
     )
     try:
-        # The operator is a pod of the chart's Deployment, under the chart's ServiceAccount.
-        (pod,) = operator_pods(cluster, namespace)
-        assert pod_ready(pod)
-        assert pod["spec"]["serviceAccountName"] == FULLNAME
-        assert f"--namespace={pools_namespace}" in pod["spec"]["containers"][0]["args"]
-        # Pools may name only the chart's image repository (ENGINE_IMAGE, the operator's own
-        # engine image, is always allowed) and mount no node path.
-        assert "--allowed-image=ghcr.io/llmpool/llmpool" in pod["spec"]["containers"][0]["args"]
-
+        pod = the_operator_pod_as_the_chart_runs_it(cluster, namespace, pools_namespace)
         ready = apply_examples(cluster, pools_namespace)
-        for pool in ready:
-            name = pool["metadata"]["name"]
-            status = pool["status"]
-            assert status["readyReplicas"] == TEST_SIZES[name]["replicas"]
-            assert status["endpoint"] == f"http://{name}.{pools_namespace}.svc:8000/v1"
-            (engine,) = [
-                p
-                for p in cluster.get("pods", "-n", pools_namespace, "-l", f"{POOL_LABEL}={name}")[
-                    "items"
-                ]
-                if pod_ready(p) and not p["metadata"].get("deletionTimestamp")
-            ]
-            served_name = pool["spec"]["model"]["servedName"]
-            key = engine_key(cluster, pools_namespace, name)
-            reply = chat_on_pod_ip(engine["status"]["podIP"], served_name, key)
-            # Engines answer only the fleet: without the pool's key, a direct call is refused.
-            with pytest.raises(AssertionError, match="401"):
-                chat_on_pod_ip(engine["status"]["podIP"], served_name, "unused")
-            assert reply.split()[0] == served_name, reply
-        # One base URL serves both pools by model name: the chart's gateway, by its Service.
-        gateway = cluster.get("service", "llmpool-gateway", "-n", namespace)
-        gateway_url = f"http://{gateway['spec']['clusterIP']}:8080/v1"
-        served = sorted({pool["spec"]["model"]["servedName"] for pool in ready})
-        assert sorted(m["id"] for m in list_models(gateway_url)) == served
-        for served_name in served:
-            reply = chat_on_url(gateway_url, served_name)
-            assert reply.split()[0] == served_name, reply
+        engines_answer_only_the_fleet(cluster, pools_namespace, ready)
+        the_gateway_serves_both_pools(cluster, namespace, ready)
         # Everything above went through the chart's RBAC: nothing was refused.
         log = cluster.kubectl("logs", "-n", namespace, f"deployment/{FULLNAME}")
         assert "Forbidden" not in log, log
         printed = cluster.kubectl("get", "llmp", "-n", pools_namespace)
         assert "smollm2-chat" in printed and "smollm2-batch" in printed, printed
-
-        # Upgrade with changed values: a new operator pod with the new arguments takes over.
-        old_uid = pod["metadata"]["uid"]
-        helm(
-            cluster, "upgrade", RELEASE,
-            *install_args(namespace, "logLevel=verbose", "podAnnotations.llmpool-e2e=upgraded"),
-            "--reuse-values",
-        )  # fmt: skip
-        assert (
-            json.loads(helm(cluster, "status", RELEASE, "-n", namespace, "-o", "json"))["version"]
-            == 2
-        )
-
-        def upgraded_pod_alone() -> list[dict[str, Any]] | None:
-            pods = operator_pods(cluster, namespace)
-            alone = len(pods) == 1 and pods[0]["metadata"]["uid"] != old_uid
-            return pods if alone and pod_ready(pods[0]) else None
-
-        (pod,) = wait_for("the upgraded operator pod alone", upgraded_pod_alone, 120)
-        assert "--verbose" in pod["spec"]["containers"][0]["args"]
-        assert pod["metadata"]["annotations"]["llmpool-e2e"] == "upgraded"
-        # ... and it reconciles: a spec change that rolls nothing is observed.
-        cluster.kubectl(
-            "patch", "llmpool", "smollm2-batch", "-n", pools_namespace, "--type=merge",
-            "-p", '{"spec": {"drift": {"intervalSeconds": 45}}}',
-        )  # fmt: skip
-
-        def reconciled() -> bool:
-            pool = cluster.get("llmpool", "smollm2-batch", "-n", pools_namespace)
-            return pool["status"].get("observedGeneration") == pool["metadata"]["generation"]
-
-        wait_for("the upgraded operator to reconcile the patched pool", reconciled, 120)
-
+        an_upgrade_takes_over(cluster, namespace, pools_namespace, pod["metadata"]["uid"])
         delete_pools(cluster, pools_namespace)
     finally:
-        helm(cluster, "uninstall", RELEASE, "-n", namespace, "--wait", "--timeout=120s")
+        uninstall(cluster, namespace)
 
     wait_for(
         "no objects of the release left",
@@ -329,8 +341,7 @@ def engine_requests(pod: dict[str, Any]) -> float:
 
 
 def ready_engines(cluster: ClusterHandle, namespace: str, pool: str) -> list[dict[str, Any]]:
-    pods = cluster.get("pods", "-n", namespace, "-l", f"{POOL_LABEL}={pool}")["items"]
-    return [p for p in pods if pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
+    return [p for p in live_pods(cluster, namespace, pool) if pod_ready(p)]
 
 
 def exec_in(cluster: ClusterHandle, namespace: str, pod: str, script: str) -> str:
@@ -340,113 +351,212 @@ def exec_in(cluster: ClusterHandle, namespace: str, pod: str, script: str) -> st
 WRITE_TO_ROOT = "touch /written 2>&1 && echo writable || true"
 
 
+def endpoints_answer_from_a_pod(
+    cluster: ClusterHandle, pools_namespace: str, ready: list[dict[str, Any]]
+) -> None:
+    """status.endpoint, as a client pod sees it: CoreDNS, then the ClusterIP, then a replica."""
+    for pool in ready:
+        name, served = pool["metadata"]["name"], pool["spec"]["model"]["servedName"]
+        endpoint = pool["status"]["endpoint"]
+        assert endpoint == f"http://{name}.{pools_namespace}.svc:8000/v1"
+        logs = run_client_job(
+            cluster, pools_namespace, f"client-{name}", name, endpoint, served, "1"
+        )
+        assert logs.split()[0] == served, logs
+
+
+def a_scaled_pool_spreads(cluster: ClusterHandle, pools_namespace: str) -> list[dict[str, Any]]:
+    """Scaled to 2, the chat pool's Service spreads one client's requests over both replicas
+    (returned)."""
+    cluster.kubectl("scale", "llmpool", CHAT, "--replicas=2", "-n", pools_namespace)
+    wait_for(
+        "two ready chat replicas",
+        lambda: len(ready_engines(cluster, pools_namespace, CHAT)) == 2 or None,
+        ENGINE_START_SECONDS,
+        interval=2,
+    )
+    wait_pool_ready(cluster, pools_namespace, CHAT)
+    engines = ready_engines(cluster, pools_namespace, CHAT)
+    before = {p["metadata"]["name"]: engine_requests(p) for p in engines}
+    requests = 12  # all on one replica by chance: 2 * 2**-12
+    endpoint = f"http://{CHAT}.{pools_namespace}.svc:8000/v1"
+    run_client_job(
+        cluster, pools_namespace, "client-spread", CHAT, endpoint, "smollm2", str(requests)
+    )
+    served_by = {
+        p["metadata"]["name"]: engine_requests(p) - before[p["metadata"]["name"]] for p in engines
+    }
+    assert sum(served_by.values()) == requests, served_by
+    assert all(count >= 1 for count in served_by.values()), served_by
+    return engines
+
+
+def security_contexts_hold(
+    cluster: ClusterHandle, namespace: str, pools_namespace: str, engine: str
+) -> None:
+    """The chart's and the operator's securityContexts hold on the node: uid 10001, a read-only
+    root filesystem, and the engine's memory limit in its cgroup."""
+    (operator,) = operator_pods(cluster, namespace)
+    operator_name = operator["metadata"]["name"]
+    assert exec_in(cluster, namespace, operator_name, "id -u").strip() == "10001"
+    assert "Read-only file system" in exec_in(cluster, namespace, operator_name, WRITE_TO_ROOT)
+    assert exec_in(cluster, pools_namespace, engine, "id -u").strip() == "10001"
+    assert "Read-only file system" in exec_in(cluster, pools_namespace, engine, WRITE_TO_ROOT)
+    limit = exec_in(
+        cluster, pools_namespace, engine,
+        "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null"
+        " || cat /sys/fs/cgroup/memory.max",
+    )  # fmt: skip
+    assert int(limit) == 2 * 2**30  # the chat example's limits.memory: 2Gi
+
+
+def the_operator_pod_heals_drift(
+    cluster: ClusterHandle, namespace: str, pools_namespace: str, before: list[str]
+) -> None:
+    """With the operator pod away, the template every replica mounts is changed and one replica
+    (the first of ``before``) restarted on it; the operator pod, back, checks every replica's
+    /fingerprint over the pod network, reports the drift and recreates the replica."""
+    cluster.kubectl("scale", f"deployment/{FULLNAME}", "--replicas=0", "-n", namespace)
+    wait_for("no operator pod", lambda: not operator_pods(cluster, namespace) or None, 90)
+    tamper_template(cluster, pools_namespace, CHAT)
+    victim = sorted(before)[0]
+    cluster.kubectl("delete", "pod", victim, "-n", pools_namespace)
+
+    def replacement() -> str | None:
+        new = [
+            p["metadata"]["name"]
+            for p in ready_engines(cluster, pools_namespace, CHAT)
+            if p["metadata"]["name"] not in before
+        ]
+        return new[0] if new else None
+
+    drifted = wait_for("the replacement replica", replacement, ENGINE_START_SECONDS, 2)
+    cluster.kubectl("scale", f"deployment/{FULLNAME}", "--replicas=1", "-n", namespace)
+
+    def healed() -> dict[str, Any] | None:
+        pool = cluster.get("llmpool", CHAT, "-n", pools_namespace)
+        names = {p["metadata"]["name"] for p in ready_engines(cluster, pools_namespace, CHAT)}
+        done = (
+            drifted not in names
+            and len(names) == 2
+            and condition(pool, "Drifted").get("status") == "False"
+            and condition(pool, "Ready").get("status") == "True"
+        )
+        return pool if done else None
+
+    pool = wait_for("the drifted replica recreated", healed, ENGINE_START_SECONDS, 2)
+    assert pool["status"]["drift"] == []
+    for reason in ("DriftDetected", "RecreatingDriftedPod"):
+        event_saying(cluster, pools_namespace, reason, drifted)
+
+
 def test_in_cluster_endpoint_scaling_security_and_drift(
     cluster: ClusterHandle, namespace: str, pools_namespace: str
 ) -> None:
     """What a user of the chart meets: each pool's ``status.endpoint`` answers by its DNS name
     from a pod; a scaled pool's Service spreads requests; the pods run as the chart says; and
     the operator pod finds and heals a drifted replica over the pod network."""
-    helm(
-        cluster,
-        "install",
-        RELEASE,
-        *install_args(namespace, f"watchNamespaces={{{pools_namespace}}}", f"engineImage={IMAGE}"),
-    )
+    install(cluster, namespace, f"watchNamespaces={{{pools_namespace}}}", f"engineImage={IMAGE}")
     try:
         ready = apply_examples(cluster, pools_namespace)
-
-        # status.endpoint, as a client pod sees it: CoreDNS, then the ClusterIP, then a replica.
-        for pool in ready:
-            name, served = pool["metadata"]["name"], pool["spec"]["model"]["servedName"]
-            endpoint = pool["status"]["endpoint"]
-            assert endpoint == f"http://{name}.{pools_namespace}.svc:8000/v1"
-            logs = run_client_job(
-                cluster, pools_namespace, f"client-{name}", name, endpoint, served, "1"
-            )
-            assert logs.split()[0] == served, logs
-
-        # Scaled to 2, the pool's Service spreads one client's requests over both replicas.
-        chat = "smollm2-chat"
-        cluster.kubectl("scale", "llmpool", chat, "--replicas=2", "-n", pools_namespace)
-        wait_for(
-            "two ready chat replicas",
-            lambda: len(ready_engines(cluster, pools_namespace, chat)) == 2 or None,
-            ENGINE_START_SECONDS,
-            interval=2,
-        )
-        wait_pool_ready(cluster, pools_namespace, chat)
-        engines = ready_engines(cluster, pools_namespace, chat)
-        before = {p["metadata"]["name"]: engine_requests(p) for p in engines}
-        requests = 12  # all on one replica by chance: 2 * 2**-12
-        endpoint = f"http://{chat}.{pools_namespace}.svc:8000/v1"
-        run_client_job(
-            cluster, pools_namespace, "client-spread", chat, endpoint, "smollm2", str(requests)
-        )
-        served_by = {
-            p["metadata"]["name"]: engine_requests(p) - before[p["metadata"]["name"]]
-            for p in engines
-        }
-        assert sum(served_by.values()) == requests, served_by
-        assert all(count >= 1 for count in served_by.values()), served_by
-
-        # The chart's and the operator's securityContexts hold on the node: uid 10001, a
-        # read-only root filesystem, and the engine's memory limit in its cgroup.
-        (operator,) = operator_pods(cluster, namespace)
-        operator_name = operator["metadata"]["name"]
-        assert exec_in(cluster, namespace, operator_name, "id -u").strip() == "10001"
-        assert "Read-only file system" in exec_in(cluster, namespace, operator_name, WRITE_TO_ROOT)
+        endpoints_answer_from_a_pod(cluster, pools_namespace, ready)
+        engines = a_scaled_pool_spreads(cluster, pools_namespace)
         engine = engines[0]["metadata"]["name"]
-        assert exec_in(cluster, pools_namespace, engine, "id -u").strip() == "10001"
-        assert "Read-only file system" in exec_in(cluster, pools_namespace, engine, WRITE_TO_ROOT)
-        limit = exec_in(
-            cluster, pools_namespace, engine,
-            "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null"
-            " || cat /sys/fs/cgroup/memory.max",
-        )  # fmt: skip
-        assert int(limit) == 2 * 2**30  # the chat example's limits.memory: 2Gi
-
-        # Drift: with the operator pod away, the template every replica mounts is changed and
-        # one replica restarted on it; the operator pod, back, checks every replica's
-        # /fingerprint over the pod network, reports the drift and recreates the replica.
-        cluster.kubectl("scale", f"deployment/{FULLNAME}", "--replicas=0", "-n", namespace)
-        wait_for("no operator pod", lambda: not operator_pods(cluster, namespace) or None, 90)
-        patch = {"data": {"template": "{{ messages }} tampered"}}
-        cluster.kubectl(
-            "patch", "configmap", f"{chat}-engine", "-n", pools_namespace, "--type=merge",
-            "-p", json.dumps(patch),
-        )  # fmt: skip
-        victim = sorted(before)[0]
-        cluster.kubectl("delete", "pod", victim, "-n", pools_namespace)
-
-        def replacement() -> str | None:
-            new = [
-                p["metadata"]["name"]
-                for p in ready_engines(cluster, pools_namespace, chat)
-                if p["metadata"]["name"] not in before
-            ]
-            return new[0] if new else None
-
-        drifted = wait_for("the replacement replica", replacement, ENGINE_START_SECONDS, 2)
-        cluster.kubectl("scale", f"deployment/{FULLNAME}", "--replicas=1", "-n", namespace)
-
-        def healed() -> dict[str, Any] | None:
-            pool = cluster.get("llmpool", chat, "-n", pools_namespace)
-            names = {p["metadata"]["name"] for p in ready_engines(cluster, pools_namespace, chat)}
-            done = (
-                drifted not in names
-                and len(names) == 2
-                and condition(pool, "Drifted").get("status") == "False"
-                and condition(pool, "Ready").get("status") == "True"
-            )
-            return pool if done else None
-
-        pool = wait_for("the drifted replica recreated", healed, ENGINE_START_SECONDS, 2)
-        assert pool["status"]["drift"] == []
-        for reason in ("DriftDetected", "RecreatingDriftedPod"):
-            event_saying(cluster, pools_namespace, reason, drifted)
+        security_contexts_hold(cluster, namespace, pools_namespace, engine)
+        names = [p["metadata"]["name"] for p in engines]
+        the_operator_pod_heals_drift(cluster, namespace, pools_namespace, names)
         delete_pools(cluster, pools_namespace)
     finally:
-        helm(cluster, "uninstall", RELEASE, "-n", namespace, "--wait", "--timeout=120s")
+        uninstall(cluster, namespace)
+
+
+# What the operator's ServiceAccount needs in the namespace it serves: (verb, resource).
+OPERATOR_NEEDS = [
+    ("watch", "llmpools.llmpool.dev"),
+    ("patch", "llmpools.llmpool.dev"),
+    ("patch", "deployments.apps"),
+    ("patch", "services"),
+    ("get", "configmaps"),
+    ("patch", "poddisruptionbudgets.policy"),
+    ("patch", "pods"),
+    ("delete", "pods"),
+    ("create", "events"),
+    # Each pool's engine-key Secret, and its LLMPoolDemand.
+    ("get", "secrets"),
+    ("patch", "secrets"),
+    ("watch", "llmpooldemands.llmpool.dev"),
+    ("patch", "llmpooldemands.llmpool.dev"),
+]
+# Never a Secret deleted, never anything it does not manage, never escalation.
+OPERATOR_NEVER = [
+    ("delete", "secrets"),
+    ("create", "pods"),
+    ("create", "pods/exec"),
+    ("delete", "deployments.apps"),
+    ("delete", "services"),
+    ("delete", "configmaps"),
+    ("delete", "poddisruptionbudgets.policy"),
+    ("delete", "llmpools.llmpool.dev"),
+    ("update", "llmpools.llmpool.dev"),
+    ("create", "roles.rbac.authorization.k8s.io"),
+    ("bind", "clusterroles.rbac.authorization.k8s.io"),
+    ("impersonate", "serviceaccounts"),
+    ("create", "serviceaccounts/token"),
+    ("patch", "statefulsets.apps"),
+    ("patch", "persistentvolumeclaims"),
+]
+OPERATOR_NEVER_CLUSTER_WIDE = [
+    ("list", "nodes"),
+    ("list", "namespaces"),
+    ("get", "customresourcedefinitions.apiextensions.k8s.io"),
+]
+# The gateway reads pools and their EndpointSlices, and records held requests in the status of
+# LLMPoolDemands only: it can change no pool, no spec.
+GATEWAY_NEEDS = [
+    ("watch", "llmpools.llmpool.dev"),
+    ("list", "endpointslices"),
+]
+GATEWAY_NEVER = [
+    ("patch", "llmpools.llmpool.dev"),
+    ("patch", "llmpooldemands.llmpool.dev"),
+    ("create", "llmpooldemands.llmpool.dev"),
+    ("update", "llmpools.llmpool.dev"),
+    ("create", "endpointslices"),
+    ("get", "secrets"),
+    ("list", "pods"),
+    ("get", "configmaps"),
+]
+
+
+def operator_rights(cluster: ClusterHandle, namespace: str, scope: str) -> None:
+    """What the operator's ServiceAccount may and may not do (``scope``: where it may)."""
+    sa = f"{namespace}:{FULLNAME}"
+    served = ["-n", namespace]
+    for verb, resource in OPERATOR_NEEDS:
+        assert can_i(cluster, sa, verb, resource, *served), f"cannot {verb} {resource}"
+    assert can_i(cluster, sa, "patch", "llmpools.llmpool.dev", "--subresource=status", *served)
+    for verb, resource in OPERATOR_NEVER:
+        assert not can_i(cluster, sa, verb, resource, *served), f"can {verb} {resource}"
+    for verb, resource in OPERATOR_NEVER_CLUSTER_WIDE:
+        assert not can_i(cluster, sa, verb, resource), f"can {verb} {resource}"
+    elsewhere = can_i(cluster, sa, "watch", "llmpools.llmpool.dev", "-n", "kube-system")
+    assert elsewhere == (scope == "clusterwide")
+    in_kube_system = can_i(cluster, sa, "get", "secrets", "-n", "kube-system")
+    assert in_kube_system == (scope == "clusterwide")
+
+
+def gateway_rights(cluster: ClusterHandle, namespace: str) -> None:
+    """What the gateway's ServiceAccount may and may not do in the namespace it serves."""
+    gateway = f"{namespace}:{FULLNAME}-gateway"
+    served = ["-n", namespace]
+    for verb, resource in GATEWAY_NEEDS:
+        assert can_i(cluster, gateway, verb, resource, *served), f"cannot {verb} {resource}"
+    demand = ["patch", "llmpooldemands.llmpool.dev", "--subresource=status"]
+    assert can_i(cluster, gateway, *demand, *served), "the gateway cannot record demand"
+    status = ["patch", "llmpools.llmpool.dev", "--subresource=status"]
+    assert not can_i(cluster, gateway, *status, *served), "the gateway can patch pool status"
+    for verb, resource in GATEWAY_NEVER:
+        assert not can_i(cluster, gateway, verb, resource, *served), f"can {verb} {resource}"
 
 
 @pytest.mark.parametrize("scope", ["namespaced", "clusterwide"])
@@ -461,81 +571,10 @@ def test_the_operator_service_account_has_least_privilege(
     values = ["replicaCount=0", "gateway.replicas=0", "dashboard.enabled=false"]
     if scope == "namespaced":
         values.append(f"watchNamespaces={{{namespace}}}")
-    helm(cluster, "install", RELEASE, *install_args(namespace, *values))
+    install(cluster, namespace, *values)
     try:
-        sa = f"{namespace}:{FULLNAME}"
-        served = ["-n", namespace]
-        # What it needs, in the namespace it serves.
-        for verb, resource in [
-            ("watch", "llmpools.llmpool.dev"),
-            ("patch", "llmpools.llmpool.dev"),
-            ("patch", "deployments.apps"),
-            ("patch", "services"),
-            ("get", "configmaps"),
-            ("patch", "poddisruptionbudgets.policy"),
-            ("patch", "pods"),
-            ("delete", "pods"),
-            ("create", "events"),
-            # Each pool's engine-key Secret, and its LLMPoolDemand.
-            ("get", "secrets"),
-            ("patch", "secrets"),
-            ("watch", "llmpooldemands.llmpool.dev"),
-            ("patch", "llmpooldemands.llmpool.dev"),
-        ]:
-            assert can_i(cluster, sa, verb, resource, *served), f"cannot {verb} {resource}"
-        assert can_i(cluster, sa, "patch", "llmpools.llmpool.dev", "--subresource=status", *served)
-        # Never a Secret deleted, never anything it does not manage, never escalation.
-        for verb, resource in [
-            ("delete", "secrets"),
-            ("create", "pods"),
-            ("create", "pods/exec"),
-            ("delete", "deployments.apps"),
-            ("delete", "services"),
-            ("delete", "configmaps"),
-            ("delete", "poddisruptionbudgets.policy"),
-            ("delete", "llmpools.llmpool.dev"),
-            ("update", "llmpools.llmpool.dev"),
-            ("create", "roles.rbac.authorization.k8s.io"),
-            ("bind", "clusterroles.rbac.authorization.k8s.io"),
-            ("impersonate", "serviceaccounts"),
-            ("create", "serviceaccounts/token"),
-            ("patch", "statefulsets.apps"),
-            ("patch", "persistentvolumeclaims"),
-        ]:
-            assert not can_i(cluster, sa, verb, resource, *served), f"can {verb} {resource}"
-        for verb, resource in [
-            ("list", "nodes"),
-            ("list", "namespaces"),
-            ("get", "customresourcedefinitions.apiextensions.k8s.io"),
-        ]:
-            assert not can_i(cluster, sa, verb, resource), f"can {verb} {resource}"
-        elsewhere = can_i(cluster, sa, "watch", "llmpools.llmpool.dev", "-n", "kube-system")
-        assert elsewhere == (scope == "clusterwide")
-        in_kube_system = can_i(cluster, sa, "get", "secrets", "-n", "kube-system")
-        assert in_kube_system == (scope == "clusterwide")
-        # The gateway reads pools and their EndpointSlices, and records held requests in the
-        # status of LLMPoolDemands only: it can change no pool, no spec.
-        gateway = f"{namespace}:{FULLNAME}-gateway"
-        for verb, resource in [
-            ("watch", "llmpools.llmpool.dev"),
-            ("list", "endpointslices"),
-        ]:
-            assert can_i(cluster, gateway, verb, resource, *served), f"cannot {verb} {resource}"
-        demand = ["patch", "llmpooldemands.llmpool.dev", "--subresource=status"]
-        assert can_i(cluster, gateway, *demand, *served), "the gateway cannot record demand"
-        status = ["patch", "llmpools.llmpool.dev", "--subresource=status"]
-        assert not can_i(cluster, gateway, *status, *served), "the gateway can patch pool status"
-        for verb, resource in [
-            ("patch", "llmpools.llmpool.dev"),
-            ("patch", "llmpooldemands.llmpool.dev"),
-            ("create", "llmpooldemands.llmpool.dev"),
-            ("update", "llmpools.llmpool.dev"),
-            ("create", "endpointslices"),
-            ("get", "secrets"),
-            ("list", "pods"),
-            ("get", "configmaps"),
-        ]:
-            assert not can_i(cluster, gateway, verb, resource, *served), f"can {verb} {resource}"
+        operator_rights(cluster, namespace, scope)
+        gateway_rights(cluster, namespace)
     finally:
-        helm(cluster, "uninstall", RELEASE, "-n", namespace, "--wait", "--timeout=120s")
+        uninstall(cluster, namespace)
     assert not leftovers(cluster, [namespace])

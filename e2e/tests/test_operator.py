@@ -22,19 +22,28 @@ import pytest
 import yaml
 from harness import (
     ENGINE_START_SECONDS,
+    ROOT,
+    TAMPERED_TEMPLATE,
     ClusterHandle,
     OperatorProcess,
+    apply_crds,
+    condition,
     event_saying,
+    live_pods,
+    patch_pool,
     pod_ready,
+    pool_status,
+    tamper_template,
     wait_for,
+    wait_pool_ready,
 )
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 INTERACTIVE = ROOT / "examples" / "smollm2-interactive.yaml"
 DIGEST_ANNOTATION = "llmpool.dev/pinned-digest"
 POOL_LABEL = "llmpool.dev/pool"
+POOL = "smollm2-chat"
 DRIFT_INTERVAL_SECONDS = 5
 # The operator's timer runs every 2 s and waits 5 s after its own last apply before it trusts
 # its watch caches to show a child missing or different; restoring takes at most that, plus
@@ -46,8 +55,7 @@ RESTORE_SECONDS = 2 * 2 + 5 + 15
 def operator(
     cluster: ClusterHandle, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=established", "crd/llmpools.llmpool.dev")
+    apply_crds(cluster)
     log_path = tmp_path_factory.mktemp("operator") / "operator.log"
     process = OperatorProcess(cluster, log_path, "-A", "--standalone")
     process.start()
@@ -70,33 +78,27 @@ def engine_available() -> bool:
 needs_engine = pytest.mark.skipif(not engine_available(), reason="`llmpool serve` is not there yet")
 
 
-def example(revision: str | None = None) -> list[dict[str, Any]]:
+def example(revision: str | None = None, **spec: Any) -> list[dict[str, Any]]:
+    """The interactive example's documents, ``spec`` set in the pool's spec."""
     documents = [d for d in yaml.safe_load_all(INTERACTIVE.read_text()) if d]
+    pool = next(d for d in documents if d["kind"] == "LLMPool")
+    pool["spec"].update(spec)
     if revision is not None:
-        pool = next(d for d in documents if d["kind"] == "LLMPool")
         pool["spec"]["model"]["revision"] = revision
     return documents
 
 
-def pool_status(cluster: ClusterHandle, namespace: str, name: str) -> dict[str, Any]:
-    return cluster.get("llmpool", name, "-n", namespace).get("status") or {}
+def serving_pool(cluster: ClusterHandle, namespace: str, **spec: Any) -> dict[str, Any]:
+    """Apply the example (``spec`` set in the pool's spec); its status once Ready."""
+    cluster.apply(*example(**spec), namespace=namespace)
+    return wait_pool_ready(cluster, namespace, POOL)
 
 
-def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
-
-
-def engine_pods(cluster: ClusterHandle, namespace: str, pool: str) -> list[dict[str, Any]]:
-    pods = cluster.get("pods", "-n", namespace, "-l", f"{POOL_LABEL}={pool}")["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-
-def wait_ready(cluster: ClusterHandle, namespace: str, pool: str, timeout: float) -> dict[str, Any]:
-    def probe() -> dict[str, Any] | None:
-        status = pool_status(cluster, namespace, pool)
-        return status if condition(status, "Ready").get("status") == "True" else None
-
-    return wait_for(f"LLMPool {pool} Ready", probe, timeout, interval=1)
+def wait_digest(cluster: ClusterHandle, namespace: str) -> str:
+    """The pool's first pinned digest, once the operator wrote it."""
+    return wait_for(
+        "a digest", lambda: pool_status(cluster, namespace, POOL).get("pinnedDigest"), 60
+    )
 
 
 def chat(ip: str, model: str) -> dict[str, Any]:
@@ -152,8 +154,7 @@ def test_invalid_specs_are_rejected(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str, case: str
 ) -> None:
     change, message = BAD_SPECS[case]
-    pool = example()[1]
-    pool["spec"].update(change)
+    pool = example(**change)[1]
     result = cluster.run(
         "kubectl", "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(pool), check=False
     )
@@ -168,13 +169,13 @@ def test_children_are_owned_and_deleted_with_the_pool(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
     cluster.apply(*example(), namespace=namespace)
-    pool = cluster.get("llmpool", "smollm2-chat", "-n", namespace)
+    pool = cluster.get("llmpool", POOL, "-n", namespace)
     uid = pool["metadata"]["uid"]
     children = [
-        ("deployment", "smollm2-chat"),
-        ("service", "smollm2-chat"),
+        ("deployment", POOL),
+        ("service", POOL),
         ("configmap", "smollm2-chat-engine"),
-        ("poddisruptionbudget", "smollm2-chat"),
+        ("poddisruptionbudget", POOL),
     ]
     for kind, name in children:
         found = wait_for(
@@ -190,19 +191,17 @@ def test_children_are_owned_and_deleted_with_the_pool(
     status = wait_for(
         "status.pinnedDigest",
         lambda: (
-            pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest")
-            and pool_status(cluster, namespace, "smollm2-chat")
+            pool_status(cluster, namespace, POOL).get("pinnedDigest")
+            and pool_status(cluster, namespace, POOL)
         ),
         60,
     )
     assert status["endpoint"] == f"http://smollm2-chat.{namespace}.svc:8000/v1"
     assert status["capacity"]["kvBytesPerToken"] > 0
-    template = cluster.get("deployment", "smollm2-chat", "-n", namespace)["spec"]["template"]
+    template = cluster.get("deployment", POOL, "-n", namespace)["spec"]["template"]
     assert template["metadata"]["annotations"][DIGEST_ANNOTATION] == status["pinnedDigest"]
 
-    cluster.kubectl(
-        "delete", "llmpool", "smollm2-chat", "-n", namespace, "--wait=true", "--timeout=60s"
-    )
+    cluster.kubectl("delete", "llmpool", POOL, "-n", namespace, "--wait=true", "--timeout=60s")
     for kind, name in children:
         wait_for(
             f"{kind} {name} to be collected",
@@ -211,55 +210,39 @@ def test_children_are_owned_and_deleted_with_the_pool(
             ),
             90,
         )
-    wait_for(
-        "engine pods to go", lambda: engine_pods(cluster, namespace, "smollm2-chat") == [], 120
-    )
+    wait_for("engine pods to go", lambda: live_pods(cluster, namespace, POOL) == [], 120)
 
 
 def test_scale_does_not_roll_and_a_pinned_change_does(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
     cluster.apply(*example(), namespace=namespace)
-    first = wait_for(
-        "a digest", lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"), 60
-    )
+    first = wait_digest(cluster, namespace)
 
-    cluster.kubectl("scale", "llmpool", "smollm2-chat", "-n", namespace, "--replicas=3")
+    cluster.kubectl("scale", "llmpool", POOL, "-n", namespace, "--replicas=3")
     wait_for(
         "the Deployment to scale",
-        lambda: cluster.get("deployment", "smollm2-chat", "-n", namespace)["spec"]["replicas"] == 3,
+        lambda: cluster.get("deployment", POOL, "-n", namespace)["spec"]["replicas"] == 3,
         60,
     )
-    deployment = cluster.get("deployment", "smollm2-chat", "-n", namespace)
+    deployment = cluster.get("deployment", POOL, "-n", namespace)
     assert deployment["spec"]["template"]["metadata"]["annotations"][DIGEST_ANNOTATION] == first
-    assert pool_status(cluster, namespace, "smollm2-chat")["pinnedDigest"] == first
+    assert pool_status(cluster, namespace, POOL)["pinnedDigest"] == first
     replica_sets = cluster.get("replicasets", "-n", namespace, "-l", f"{POOL_LABEL}=smollm2-chat")[
         "items"
     ]
     assert len(replica_sets) == 1, "scaling created a new ReplicaSet"
     event_saying(cluster, namespace, "Scaled", "replicas 2 -> 3")
 
-    cluster.kubectl(
-        "patch",
-        "llmpool",
-        "smollm2-chat",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"spec":{"maxModelLen":4096}}',
-    )
+    patch_pool(cluster, namespace, POOL, {"maxModelLen": 4096})
     second = wait_for(
         "a new digest",
-        lambda: (
-            (d := pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest")) != first
-            and d
-        ),
+        lambda: (d := pool_status(cluster, namespace, POOL).get("pinnedDigest")) != first and d,
         60,
     )
-    annotations = cluster.get("deployment", "smollm2-chat", "-n", namespace)["spec"]["template"][
-        "metadata"
-    ]["annotations"]
+    annotations = cluster.get("deployment", POOL, "-n", namespace)["spec"]["template"]["metadata"][
+        "annotations"
+    ]
     assert annotations[DIGEST_ANNOTATION] == second
     event_saying(cluster, namespace, "RolloutStarted", "maxModelLen")
 
@@ -268,28 +251,26 @@ def test_a_deleted_deployment_is_restored(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
     cluster.apply(*example(), namespace=namespace)
-    digest = wait_for(
-        "a digest", lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"), 60
-    )
+    digest = wait_digest(cluster, namespace)
     wait_for(
         "the Deployment",
         lambda: (
             cluster.run(
-                "kubectl", "get", "deployment", "smollm2-chat", "-n", namespace, check=False
+                "kubectl", "get", "deployment", POOL, "-n", namespace, check=False
             ).returncode
             == 0
         ),
         60,
     )
-    old_uid = cluster.get("deployment", "smollm2-chat", "-n", namespace)["metadata"]["uid"]
-    cluster.kubectl("delete", "deployment", "smollm2-chat", "-n", namespace)
+    old_uid = cluster.get("deployment", POOL, "-n", namespace)["metadata"]["uid"]
+    cluster.kubectl("delete", "deployment", POOL, "-n", namespace)
 
     def restored() -> dict[str, Any] | None:
         found = cluster.run(
             "kubectl",
             "get",
             "deployment",
-            "smollm2-chat",
+            POOL,
             "-n",
             namespace,
             "-o",
@@ -301,7 +282,7 @@ def test_a_deleted_deployment_is_restored(
 
     deployment = wait_for("the Deployment to be restored", restored, 60)
     assert deployment["spec"]["template"]["metadata"]["annotations"][DIGEST_ANNOTATION] == digest
-    event_saying(cluster, namespace, "DeploymentRestored", "smollm2-chat")
+    event_saying(cluster, namespace, "DeploymentRestored", POOL)
 
 
 def child_uid(cluster: ClusterHandle, namespace: str, kind: str, name: str) -> str | None:
@@ -312,9 +293,9 @@ def child_uid(cluster: ClusterHandle, namespace: str, kind: str, name: str) -> s
 @pytest.mark.parametrize(
     ("kind", "name"),
     [
-        ("service", "smollm2-chat"),
+        ("service", POOL),
         ("configmap", "smollm2-chat-engine"),
-        ("poddisruptionbudget", "smollm2-chat"),
+        ("poddisruptionbudget", POOL),
     ],
 )
 def test_a_deleted_service_or_configmap_is_restored(
@@ -341,15 +322,11 @@ def test_a_hand_edited_deployment_is_restored(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
     cluster.apply(*example(), namespace=namespace)
-    digest = wait_for(
-        "a digest", lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"), 60
-    )
-    wait_for(
-        "the Deployment", lambda: child_uid(cluster, namespace, "deployment", "smollm2-chat"), 60
-    )
+    digest = wait_digest(cluster, namespace)
+    wait_for("the Deployment", lambda: child_uid(cluster, namespace, "deployment", POOL), 60)
 
     def args() -> list[str]:
-        deployment = cluster.get("deployment", "smollm2-chat", "-n", namespace)
+        deployment = cluster.get("deployment", POOL, "-n", namespace)
         return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
 
     rendered = args()
@@ -358,7 +335,7 @@ def test_a_hand_edited_deployment_is_restored(
         {"op": "replace", "path": f"/spec/template/spec/containers/0/args/{index}", "value": "64"}
     ]
     cluster.kubectl(
-        "patch", "deployment", "smollm2-chat", "-n", namespace, "--type=json",
+        "patch", "deployment", POOL, "-n", namespace, "--type=json",
         "-p", json.dumps(edit),
     )  # fmt: skip
     assert args()[index] == "64"
@@ -367,37 +344,36 @@ def test_a_hand_edited_deployment_is_restored(
         "the arguments to be restored", lambda: args() == rendered, RESTORE_SECONDS, interval=0.5
     )
     event_saying(cluster, namespace, "DeploymentRestored", "differed at")
-    assert pool_status(cluster, namespace, "smollm2-chat")["pinnedDigest"] == digest
+    assert pool_status(cluster, namespace, POOL)["pinnedDigest"] == digest
 
 
 def test_a_child_the_api_server_rejects_is_named_in_the_status(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
-    documents = example()
     # Valid for the CRD, invalid for a Deployment: the request exceeds the limit.
-    documents[1]["spec"]["resources"] = {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}
-    cluster.apply(*documents, namespace=namespace)
+    resources = {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}
+    cluster.apply(*example(resources=resources), namespace=namespace)
 
     def rejected() -> dict[str, Any] | None:
-        found = condition(pool_status(cluster, namespace, "smollm2-chat"), "Degraded")
+        found = condition(pool_status(cluster, namespace, POOL), "Degraded")
         return found if found.get("reason") == "ApplyRejected" else None
 
     degraded = wait_for("Degraded ApplyRejected", rejected, 60)
     assert degraded["status"] == "True"
     assert "Deployment smollm2-chat" in degraded["message"]
     assert "less than or equal to cpu limit" in degraded["message"]
-    ready = condition(pool_status(cluster, namespace, "smollm2-chat"), "Ready")
+    ready = condition(pool_status(cluster, namespace, POOL), "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "ApplyRejected")
-    event_saying(cluster, namespace, "ApplyRejected", "smollm2-chat")
+    event_saying(cluster, namespace, "ApplyRejected", POOL)
 
     # Fixing the spec clears it.
     cluster.kubectl(
-        "patch", "llmpool", "smollm2-chat", "-n", namespace, "--type=json",
+        "patch", "llmpool", POOL, "-n", namespace, "--type=json",
         "-p", '[{"op": "remove", "path": "/spec/resources"}]',
     )  # fmt: skip
     wait_for(
         "the Deployment",
-        lambda: child_uid(cluster, namespace, "deployment", "smollm2-chat"),
+        lambda: child_uid(cluster, namespace, "deployment", POOL),
         60,
     )
     wait_for("ApplyRejected to clear", lambda: not rejected(), 60)
@@ -417,18 +393,16 @@ def test_a_disallowed_image_or_host_path_is_refused(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str, case: str
 ) -> None:
     change, reason = REFUSED[case]
-    documents = example()
-    documents[1]["spec"].update(change)
-    cluster.apply(*documents, namespace=namespace)
+    cluster.apply(*example(**change), namespace=namespace)
 
     def refused() -> dict[str, Any] | None:
-        found = condition(pool_status(cluster, namespace, "smollm2-chat"), "Ready")
+        found = condition(pool_status(cluster, namespace, POOL), "Ready")
         return found if found.get("reason") == reason else None
 
     ready = wait_for(f"Ready=False {reason}", refused, 60)
     assert ready["status"] == "False"
     assert "not allow" in ready["message"]
-    event_saying(cluster, namespace, reason, "smollm2-chat")
+    event_saying(cluster, namespace, reason, POOL)
     selector = f"{POOL_LABEL}=smollm2-chat"
     for kind in ("deployments", "services", "configmaps", "pods"):
         assert cluster.get(kind, "-n", namespace, "-l", selector)["items"] == [], kind
@@ -438,27 +412,16 @@ def test_operator_restart_converges_without_duplicates(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
     cluster.apply(*example(), namespace=namespace)
-    wait_for(
-        "a digest", lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"), 60
-    )
+    wait_digest(cluster, namespace)
     # Kill the operator hard right after a spec change, before it can finish reconciling.
-    cluster.kubectl(
-        "patch",
-        "llmpool",
-        "smollm2-chat",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"spec":{"maxModelLen":3072}}',
-    )
+    patch_pool(cluster, namespace, POOL, {"maxModelLen": 3072})
     operator.stop(signal.SIGKILL)
     operator.start()
 
     def converged() -> bool:
-        pool = cluster.get("llmpool", "smollm2-chat", "-n", namespace)
+        pool = cluster.get("llmpool", POOL, "-n", namespace)
         status = pool.get("status") or {}
-        deployment = cluster.get("deployment", "smollm2-chat", "-n", namespace)
+        deployment = cluster.get("deployment", POOL, "-n", namespace)
         return (
             status.get("observedGeneration") == pool["metadata"]["generation"]
             and status.get("pinned", {}).get("maxModelLen") == 3072
@@ -486,11 +449,7 @@ def test_peered_replicas_do_not_fight(
             "the lower replica to pause", lambda: "Pausing operations in favour of" in low.log(), 60
         )
         cluster.apply(*example(), namespace=namespace)
-        wait_for(
-            "a digest",
-            lambda: pool_status(cluster, namespace, "smollm2-chat").get("pinnedDigest"),
-            60,
-        )
+        wait_digest(cluster, namespace)
         # The status is patched inside the handler, so its success line may follow the digest.
         wait_for(
             "the higher replica's handler to finish",
@@ -501,21 +460,11 @@ def test_peered_replicas_do_not_fight(
 
         high.stop()
         wait_for("the lower replica to resume", lambda: "Resuming operations" in low.log(), 90)
-        cluster.kubectl(
-            "patch",
-            "llmpool",
-            "smollm2-chat",
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            '{"spec":{"maxModelLen":1024}}',
-        )
+        patch_pool(cluster, namespace, POOL, {"maxModelLen": 1024})
         wait_for(
             "the remaining replica to reconcile",
             lambda: (
-                pool_status(cluster, namespace, "smollm2-chat").get("pinned", {}).get("maxModelLen")
-                == 1024
+                pool_status(cluster, namespace, POOL).get("pinned", {}).get("maxModelLen") == 1024
             ),
             60,
         )
@@ -532,16 +481,15 @@ def test_peered_replicas_do_not_fight(
 def test_sample_pool_serves_and_reports_ready(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
-    cluster.apply(*example(), namespace=namespace)
-    status = wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
+    status = serving_pool(cluster, namespace)
     assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
     assert status["endpoint"] == f"http://smollm2-chat.{namespace}.svc:8000/v1"
-    pods = engine_pods(cluster, namespace, "smollm2-chat")
+    pods = live_pods(cluster, namespace, POOL)
     assert len(pods) == 2 and all(pod_ready(p) for p in pods)
     for pod in pods:
         reply = chat(pod["status"]["podIP"], "smollm2")
         assert reply["choices"][0]["message"]["role"] == "assistant"
-    table = cluster.kubectl("get", "llmp", "smollm2-chat", "-n", namespace)
+    table = cluster.kubectl("get", "llmp", POOL, "-n", namespace)
     header, row = table.splitlines()[:2]
     assert header.split() == [
         "NAME",
@@ -577,8 +525,8 @@ def test_a_compiled_pool_compiles_before_ready_and_serves(
     spec["engine"] = {**spec["engine"], "compile": True, "maxNumBatchedTokens": 64}
     spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
     cluster.apply(*documents, namespace=namespace)
-    wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
-    (pod,) = engine_pods(cluster, namespace, "smollm2-chat")
+    wait_pool_ready(cluster, namespace, POOL)
+    (pod,) = live_pods(cluster, namespace, POOL)
     assert "--compile" in pod["spec"]["containers"][0]["args"]
     reply = chat(pod["status"]["podIP"], "smollm2")
     assert reply["choices"][0]["message"]["role"] == "assistant"
@@ -590,23 +538,13 @@ def test_a_compiled_pool_compiles_before_ready_and_serves(
 def test_rollout_reports_ready_only_when_finished_and_raises_no_drift(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
-    cluster.apply(*example(), namespace=namespace)
-    wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
-    cluster.kubectl(
-        "patch",
-        "llmpool",
-        "smollm2-chat",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"spec":{"maxModelLen":4096}}',
-    )
+    serving_pool(cluster, namespace)
+    patch_pool(cluster, namespace, POOL, {"maxModelLen": 4096})
     deadline = time.monotonic() + ENGINE_START_SECONDS
     seen_not_ready = False
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        pool = cluster.get("llmpool", "smollm2-chat", "-n", namespace)
+        pool = cluster.get("llmpool", POOL, "-n", namespace)
         status = pool.get("status") or {}
         assert condition(status, "Drifted").get("status") != "True", status.get("drift")
         if status.get("observedGeneration") != pool["metadata"]["generation"]:
@@ -614,7 +552,7 @@ def test_rollout_reports_ready_only_when_finished_and_raises_no_drift(
         if condition(status, "Ready").get("status") != "True":
             seen_not_ready = True
         elif seen_not_ready:
-            pods = engine_pods(cluster, namespace, "smollm2-chat")
+            pods = live_pods(cluster, namespace, POOL)
             digests = {p["metadata"]["annotations"][DIGEST_ANNOTATION] for p in pods}
             assert digests == {status["pinnedDigest"]}, "Ready while old pods remain"
             assert (status["updatedReplicas"], status["readyReplicas"]) == (2, 2)
@@ -631,50 +569,45 @@ def test_revision_mismatch_is_degraded(
     cluster.apply(*example(revision="sha256:" + "0" * 64), namespace=namespace)
 
     def degraded() -> dict[str, Any] | None:
-        found = condition(pool_status(cluster, namespace, "smollm2-chat"), "Degraded")
+        found = condition(pool_status(cluster, namespace, POOL), "Degraded")
         return found if found.get("reason") == "RevisionMismatch" else None
 
     found = wait_for("Degraded RevisionMismatch", degraded, ENGINE_START_SECONDS, interval=2)
     assert found["status"] == "True" and "sha256:" + "0" * 64 in found["message"]
 
 
-@needs_engine
-def test_drift_is_detected_reported_and_recreated(
+def tamper_and_restart_a_pod(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
-) -> None:
-    documents = example()
-    pool = documents[1]
-    pool["spec"]["drift"] = {"policy": "Report", "intervalSeconds": DRIFT_INTERVAL_SECONDS}
-    cluster.apply(*documents, namespace=namespace)
-    wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
-
-    # With the operator away (it would restore the ConfigMap at once), tamper with the template
-    # every pod mounts and restart one pod: it now runs another template.
+) -> str:
+    """With the operator away (it would restore the ConfigMap at once), tamper with the template
+    every pod mounts and restart one pod: it now runs another template. That pod, once ready."""
     operator.stop()
     try:
-        patch = {"data": {"template": "{{ messages }} tampered"}}
-        cluster.kubectl(
-            "patch", "configmap", "smollm2-chat-engine", "-n", namespace, "--type=merge",
-            "-p", json.dumps(patch),
-        )  # fmt: skip
-        before = {p["metadata"]["name"] for p in engine_pods(cluster, namespace, "smollm2-chat")}
+        tamper_template(cluster, namespace, POOL)
+        before = {p["metadata"]["name"] for p in live_pods(cluster, namespace, POOL)}
         victim = sorted(before)[0]
         cluster.kubectl("delete", "pod", victim, "-n", namespace)
 
         def replacement_ready() -> str | None:
-            pods = engine_pods(cluster, namespace, "smollm2-chat")
+            pods = live_pods(cluster, namespace, POOL)
             new = [p for p in pods if p["metadata"]["name"] not in before and pod_ready(p)]
             return new[0]["metadata"]["name"] if new else None
 
-        replacement = wait_for("the replacement pod", replacement_ready, ENGINE_START_SECONDS)
+        return wait_for("the replacement pod", replacement_ready, ENGINE_START_SECONDS)
     finally:
         operator.start()
 
+
+def drift_reported(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str, replacement: str
+) -> None:
+    """The operator's first pass restores the ConfigMap and checks every ready replica: the
+    replacement's template is reported, as drift in the status, an Event and a metric."""
+
     def drifted() -> dict[str, Any] | None:
-        status = pool_status(cluster, namespace, "smollm2-chat")
+        status = pool_status(cluster, namespace, POOL)
         return status if condition(status, "Drifted").get("status") == "True" else None
 
-    # The operator's first pass restores the ConfigMap and checks every ready replica.
     status = wait_for("Drifted", drifted, 2 * DRIFT_INTERVAL_SECONDS + 30, interval=0.5)
     event_saying(
         cluster, namespace, "ConfigMapRestored", "smollm2-chat-engine differed at .data.template"
@@ -684,46 +617,44 @@ def test_drift_is_detected_reported_and_recreated(
         "pod": replacement,
         "field": "chatTemplateSha256",
         "expected": status["pinned"]["chatTemplateSha256"],
-        "actual": hashlib.sha256(b"{{ messages }} tampered").hexdigest(),
+        "actual": hashlib.sha256(TAMPERED_TEMPLATE.encode()).hexdigest(),
     }
     event_saying(cluster, namespace, "DriftDetected", entry["pod"])
     assert (
-        f'llmpool_operator_drifted_replicas{{namespace="{namespace}",pool="smollm2-chat"}} 1.0'
+        f'llmpool_operator_drifted_replicas{{namespace="{namespace}",pool="{POOL}"}} 1.0'
         in operator.metrics()
     )
 
-    cluster.kubectl(
-        "patch",
-        "llmpool",
-        "smollm2-chat",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"spec":{"drift":{"policy":"Recreate"}}}',
+
+@needs_engine
+def test_drift_is_detected_reported_and_recreated(
+    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+) -> None:
+    serving_pool(
+        cluster, namespace, drift={"policy": "Report", "intervalSeconds": DRIFT_INTERVAL_SECONDS}
     )
+    drifted = tamper_and_restart_a_pod(operator, cluster, namespace)
+    drift_reported(operator, cluster, namespace, drifted)
+
+    patch_pool(cluster, namespace, POOL, {"drift": {"policy": "Recreate"}})
 
     def recovered() -> dict[str, Any] | None:
-        status = pool_status(cluster, namespace, "smollm2-chat")
-        names = {p["metadata"]["name"] for p in engine_pods(cluster, namespace, "smollm2-chat")}
-        done = condition(status, "Drifted").get("status") == "False" and entry["pod"] not in names
+        status = pool_status(cluster, namespace, POOL)
+        names = {p["metadata"]["name"] for p in live_pods(cluster, namespace, POOL)}
+        done = condition(status, "Drifted").get("status") == "False" and drifted not in names
         return status if done and condition(status, "Ready").get("status") == "True" else None
 
     status = wait_for("the drifted pod to be replaced", recovered, ENGINE_START_SECONDS, interval=1)
     assert status["drift"] == []
-    event_saying(cluster, namespace, "RecreatingDriftedPod", entry["pod"])
+    event_saying(cluster, namespace, "RecreatingDriftedPod", drifted)
 
 
 @needs_engine
 def test_drift_that_recreation_cannot_fix_is_degraded(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
-    documents = example()
-    pool = documents[1]
-    pool["spec"]["replicas"] = 1
-    pool["spec"]["drift"] = {"policy": "Recreate", "intervalSeconds": DRIFT_INTERVAL_SECONDS}
-    cluster.apply(*documents, namespace=namespace)
-    wait_ready(cluster, namespace, "smollm2-chat", ENGINE_START_SECONDS)
+    drift = {"policy": "Recreate", "intervalSeconds": DRIFT_INTERVAL_SECONDS}
+    serving_pool(cluster, namespace, replicas=1, drift=drift)
 
     # Someone adds an environment variable the operator does not render (so it never removes
     # it): every new pod now loads int8 weights (the engine's --quantization default comes from
@@ -731,11 +662,11 @@ def test_drift_that_recreation_cannot_fix_is_degraded(
     container = {"name": "engine", "env": [{"name": "LLMPOOL_QUANTIZATION", "value": "int8"}]}
     patch = {"spec": {"template": {"spec": {"containers": [container]}}}}
     cluster.kubectl(
-        "patch", "deployment", "smollm2-chat", "-n", namespace, "-p", json.dumps(patch)
+        "patch", "deployment", POOL, "-n", namespace, "-p", json.dumps(patch)
     )  # fmt: skip
 
     def persists() -> dict[str, Any] | None:
-        status = pool_status(cluster, namespace, "smollm2-chat")
+        status = pool_status(cluster, namespace, POOL)
         return status if condition(status, "Degraded").get("reason") == "DriftPersists" else None
 
     # The rollout of the edit, then three recreations: five engine starts in all.
@@ -746,14 +677,14 @@ def test_drift_that_recreation_cannot_fix_is_degraded(
     assert "3 recreation(s)" in degraded["message"]
     assert "quantization is int8, expected none" in degraded["message"]
     recreated = (
-        f'llmpool_operator_recreated_pods_total{{namespace="{namespace}",pool="smollm2-chat"}} 3.0'
+        f'llmpool_operator_recreated_pods_total{{namespace="{namespace}",pool="{POOL}"}} 3.0'
     )
     assert recreated in operator.metrics()
 
     # The count lives in status: a restarted operator checks again but deletes nothing.
     operator.stop()
     operator.start()
-    labels = f'{{namespace="{namespace}",pool="smollm2-chat"}}'
+    labels = f'{{namespace="{namespace}",pool="{POOL}"}}'
 
     def checked_after_restart() -> str | None:
         try:
@@ -764,6 +695,6 @@ def test_drift_that_recreation_cannot_fix_is_degraded(
 
     text = wait_for("the restarted operator's first drift check", checked_after_restart, 60)
     assert f"llmpool_operator_recreated_pods_total{labels}" not in text
-    status = pool_status(cluster, namespace, "smollm2-chat")
+    status = pool_status(cluster, namespace, POOL)
     assert status["driftRecreations"] == 3
     assert condition(status, "Degraded").get("reason") == "DriftPersists"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from controlplane import topology
-from harness import IMAGE, ClusterHandle, phase, pod_ready, wait_for
+from harness import IMAGE, ClusterHandle, deployment, phase, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -35,16 +35,7 @@ def echo_deployment(replicas: int) -> dict[str, Any]:
         "ports": [{"name": "http", "containerPort": 8080}],
         "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 1},
     }
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "echo"},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": LABELS},
-            "template": {"metadata": {"labels": LABELS}, "spec": {"containers": [container]}},
-        },
-    }
+    return deployment("echo", LABELS, container, replicas)
 
 
 SERVICE = {

@@ -24,10 +24,17 @@ import pytest
 import yaml
 from harness import (
     ENGINE_START_SECONDS,
+    ROOT,
     ClusterHandle,
     OperatorProcess,
+    apply_crds,
+    condition,
+    create_namespace,
     free_port,
+    live_pods,
     pod_ready,
+    pool_status,
+    totals_by,
     wait_for,
 )
 
@@ -37,7 +44,6 @@ from llmpool.operator import naming
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 POOL = "smollm2-chat"
 REQUESTS_PER_MINUTE = 3  # team b's limit
 
@@ -71,14 +77,7 @@ def teams(cluster: ClusterHandle) -> Iterator[tuple[str, str]]:
     """Two fresh namespaces, one per tenant, deleted (without waiting) afterwards."""
     names = tuple(f"e2e-team-{uuid.uuid4().hex[:6]}" for _ in range(2))
     for name in names:
-        cluster.kubectl("create", "namespace", name)
-        wait_for(
-            f"the default service account in {name}",
-            lambda n=name: cluster.kubectl(
-                "get", "serviceaccount", "default", "-n", n, check=False
-            ),
-            30,
-        )
+        create_namespace(cluster, name)
     yield names[0], names[1]
     for name in names:
         cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
@@ -95,8 +94,7 @@ def fleet_key(tmp_path: Path) -> Path:
 def operator(
     cluster: ClusterHandle, teams: tuple[str, str], fleet_key: Path, tmp_path: Path
 ) -> Iterator[OperatorProcess]:
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=established", "crd/llmpools.llmpool.dev")
+    apply_crds(cluster)
     with_key = dataclasses.replace(cluster, env={**cluster.env, FLEET_KEY_FILE_ENV: str(fleet_key)})
     namespaces = [arg for team in teams for arg in ("-n", team)]
     process = OperatorProcess(with_key, tmp_path / "operator.log", *namespaces, "--standalone")
@@ -145,18 +143,77 @@ class Gateway:
         return [m["id"] for m in answer.raise_for_status().json()["data"]]
 
     def sent_to_pools(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line.startswith("llmpool_gateway:requests_total{"):
-                labels, value = line.rsplit(" ", 1)
-                pool = labels.split('pool="', 1)[1].split('"', 1)[0]
-                totals[pool] = totals.get(pool, 0.0) + float(value)
-        return totals
+        metrics = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return totals_by(metrics, "llmpool_gateway:requests_total", "pool")
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait(timeout=30)
+
+
+def each_key_reaches_its_own_pool(gateway: Gateway, teams: tuple[str, str], served: str) -> None:
+    """Each key sees and reaches its own pool only, under the one served name; the other's
+    model is a 404 as any model that does not exist; no key is a 401."""
+    team_a, team_b = teams
+    assert gateway.models("key-a") == [served]
+    assert gateway.models("key-b") == [served]
+    for key, team in (("key-a", team_a), ("key-b", team_b)):
+        before = gateway.sent_to_pools().get(f"{team}/{POOL}", 0)
+        answer = wait_for(
+            f"{team} answering", lambda k=key: _ok(gateway.complete(k, served)), 60, 0.5
+        )
+        assert answer["choices"][0]["text"] is not None
+        assert gateway.sent_to_pools()[f"{team}/{POOL}"] >= before + 1
+
+    for model in (f"{team_b}/{served}", "no-such-model"):
+        refused = gateway.complete("key-a", model)
+        assert refused.status_code == 404, refused.text
+        assert refused.json()["error"]["code"] == "model_not_found"
+    for key in (None, "wrong"):
+        refused = gateway.complete(key, served)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+
+
+def a_limit_applies_without_a_restart(
+    cluster: ClusterHandle, gateway: Gateway, keys_namespace: str, team_b: str, served: str
+) -> None:
+    """Team b's Secret now sets a limit of requests per minute: it applies without a restart,
+    and past it comes a 429 with Retry-After while team a is served."""
+    limits = {"requests-per-minute": str(REQUESTS_PER_MINUTE)}
+    cluster.apply(key_secret("team-b", "key-b", team_b, **limits), namespace=keys_namespace)
+    limited = wait_for(
+        "team b limited",
+        lambda: (r := gateway.complete("key-b", served)).status_code == 429 and r,
+        60,
+        0.2,
+    )
+    assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(limited.headers["retry-after"]) >= 1
+    assert gateway.complete("key-a", served).status_code == 200
+
+
+def engines_take_only_their_pool_key(
+    cluster: ClusterHandle, teams: tuple[str, str], fleet_key: Path, served: str
+) -> None:
+    """An engine pod called directly: its pool's key opens it, no key does not."""
+    team_a, team_b = teams
+    pod_ip = _pod_ip(cluster, team_a)
+    engine = f"http://{pod_ip}:{naming.ENGINE_PORT}/v1/completions"
+    body = {"model": served, "prompt": "Hello", "max_tokens": 1}
+    pool_key = FleetKey(fleet_key).engine_key(team_a, POOL)
+    keyed = httpx.post(
+        engine, json=body, headers={"Authorization": f"Bearer {pool_key}"}, timeout=60
+    )
+    assert keyed.status_code == 200, keyed.text
+    other_pool_key = FleetKey(fleet_key).engine_key(team_b, POOL)
+    for headers in (
+        {},
+        {"Authorization": "Bearer key-a"},
+        {"Authorization": f"Bearer {other_pool_key}"},
+    ):
+        direct = httpx.post(engine, json=body, headers=headers, timeout=60)
+        assert direct.status_code == 401, direct.text
 
 
 def test_each_tenant_reaches_only_its_own_pool_and_engines_only_the_fleet(
@@ -183,68 +240,15 @@ def test_each_tenant_reaches_only_its_own_pool_and_engines_only_the_fleet(
             wait_for(
                 f"{team}/{POOL} Ready", lambda t=team: _ready(cluster, t), ENGINE_START_SECONDS, 1
             )
-
-        # Each key sees and reaches its own pool only, under the one served name.
-        assert gateway.models("key-a") == [served]
-        assert gateway.models("key-b") == [served]
-        for key, team in (("key-a", team_a), ("key-b", team_b)):
-            before = gateway.sent_to_pools().get(f"{team}/{POOL}", 0)
-            answer = wait_for(
-                f"{team} answering", lambda k=key: _ok(gateway.complete(k, served)), 60, 0.5
-            )
-            assert answer["choices"][0]["text"] is not None
-            assert gateway.sent_to_pools()[f"{team}/{POOL}"] >= before + 1
-
-        # The other's model is a 404 as any model that does not exist; no key is a 401.
-        for model in (f"{team_b}/{served}", "no-such-model"):
-            refused = gateway.complete("key-a", model)
-            assert refused.status_code == 404, refused.text
-            assert refused.json()["error"]["code"] == "model_not_found"
-        for key in (None, "wrong"):
-            refused = gateway.complete(key, served)
-            assert (
-                refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
-            )
-
-        # Team b's Secret now sets a limit of requests per minute: it applies without a restart,
-        # and past it comes a 429 with Retry-After while team a is served.
-        limits = {"requests-per-minute": str(REQUESTS_PER_MINUTE)}
-        cluster.apply(key_secret("team-b", "key-b", team_b, **limits), namespace=namespace)
-        limited = wait_for(
-            "team b limited",
-            lambda: (r := gateway.complete("key-b", served)).status_code == 429 and r,
-            60,
-            0.2,
-        )
-        assert limited.json()["error"]["code"] == "rate_limit_exceeded"
-        assert int(limited.headers["retry-after"]) >= 1
-        assert gateway.complete("key-a", served).status_code == 200
-
-        # An engine pod called directly: its pool's key opens it, no key does not.
-        pod_ip = _pod_ip(cluster, team_a)
-        engine = f"http://{pod_ip}:{naming.ENGINE_PORT}/v1/completions"
-        body = {"model": served, "prompt": "Hello", "max_tokens": 1}
-        pool_key = FleetKey(fleet_key).engine_key(team_a, POOL)
-        keyed = httpx.post(
-            engine, json=body, headers={"Authorization": f"Bearer {pool_key}"}, timeout=60
-        )
-        assert keyed.status_code == 200, keyed.text
-        other_pool_key = FleetKey(fleet_key).engine_key(team_b, POOL)
-        for headers in (
-            {},
-            {"Authorization": "Bearer key-a"},
-            {"Authorization": f"Bearer {other_pool_key}"},
-        ):
-            direct = httpx.post(engine, json=body, headers=headers, timeout=60)
-            assert direct.status_code == 401, direct.text
+        each_key_reaches_its_own_pool(gateway, teams, served)
+        a_limit_applies_without_a_restart(cluster, gateway, namespace, team_b, served)
+        engines_take_only_their_pool_key(cluster, teams, fleet_key, served)
     finally:
         gateway.stop()
 
 
 def _ready(cluster: ClusterHandle, namespace: str) -> bool:
-    status = cluster.get("llmpool", POOL, "-n", namespace).get("status") or {}
-    ready = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
-    return ready.get("status") == "True"
+    return condition(pool_status(cluster, namespace, POOL), "Ready").get("status") == "True"
 
 
 def _ok(response: httpx.Response) -> dict[str, Any] | None:
@@ -252,6 +256,5 @@ def _ok(response: httpx.Response) -> dict[str, Any] | None:
 
 
 def _pod_ip(cluster: ClusterHandle, namespace: str) -> str:
-    pods = cluster.get("pods", "-n", namespace, "-l", naming.selector_string(POOL))["items"]
-    (pod,) = [p for p in pods if pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
+    (pod,) = [p for p in live_pods(cluster, namespace, POOL) if pod_ready(p)]
     return pod["status"]["podIP"]

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,18 @@ import httpx
 import pytest
 import yaml
 from harness import (
+    ROOT,
     ClusterHandle,
     GatewayProcess,
     OperatorProcess,
+    condition,
     grew,
     namespace_operator,
+    patch_pool,
     pod_ready,
+    pool_status,
+    samples,
+    totals_by,
     wait_for,
 )
 from load import Load
@@ -45,7 +52,6 @@ from llmpool.operator import naming
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 POOL = "smollm2-chat"
 MODEL = "smollm2"
 CLIENTS = 3
@@ -87,16 +93,6 @@ def pool_documents() -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- cluster helpers
 
 
-def pool_status(cluster: ClusterHandle, namespace: str) -> dict[str, Any]:
-    return cluster.get("llmpool", POOL, "-n", namespace).get("status") or {}
-
-
-def pool_ready(status: dict[str, Any]) -> bool:
-    return any(
-        c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or []
-    )
-
-
 def pool_pods(cluster: ClusterHandle, namespace: str) -> list[dict[str, Any]]:
     """The pool's pods, terminating ones included, oldest first."""
     pods = cluster.get("pods", "-n", namespace, "-l", naming.selector_string(POOL))["items"]
@@ -117,13 +113,6 @@ def settled(
     if digest is not None and digests != {digest}:
         return None
     return [p["metadata"]["name"] for p in pods]
-
-
-def patch_spec(cluster: ClusterHandle, namespace: str, spec: dict[str, Any]) -> None:
-    cluster.kubectl(
-        "patch", "llmpool", POOL, "-n", namespace, "--type=merge",
-        "-p", json.dumps({"spec": spec}),
-    )  # fmt: skip
 
 
 def evict(cluster: ClusterHandle, namespace: str, pod: str) -> tuple[int, str]:
@@ -151,20 +140,15 @@ def disruptions_allowed(cluster: ClusterHandle, namespace: str) -> int | None:
 def gateway_counts(gateway: GatewayProcess) -> dict[str, float]:
     """Requests the gateway sent, by replica (pod name); ``retry``: of them, those sent to a
     second replica after the first refused or failed; ``errors``: upstream errors, any kind."""
-    counts: dict[str, float] = {}
-    for line in gateway.get("/metrics")[1].splitlines():
-        if not line.startswith(("llmpool_gateway:requests_total{", "llmpool_gateway:upstream_")):
-            continue
-        labels, value = line.rsplit(" ", 1)
-        if line.startswith("llmpool_gateway:upstream_errors_total{"):
-            keys = ["errors"]
-        elif line.startswith("llmpool_gateway:requests_total{"):
-            keys = [labels.split('replica="', 1)[1].split('"', 1)[0]]
-            keys += ["retry"] if 'decision="retry"' in labels else []
-        else:
-            continue
-        for key in keys:
-            counts[key] = counts.get(key, 0.0) + float(value)
+    metrics = gateway.get("/metrics")[1]
+    counts = totals_by(metrics, "llmpool_gateway:requests_total", "replica")
+    for key, metric, wanted in (
+        ("retry", "llmpool_gateway:requests_total", {"decision": "retry"}),
+        ("errors", "llmpool_gateway:upstream_errors_total", {}),
+    ):
+        found = [v for labels, v in samples(metrics, metric) if wanted.items() <= labels.items()]
+        if found:
+            counts[key] = sum(found)
     return counts
 
 
@@ -238,121 +222,168 @@ class Generation:
         return self.tokens / (self.ended_at - self.first_at)
 
 
-def test_changes_under_steady_load_fail_no_request_and_scale_down_spares_the_busy_replica(
-    cluster: ClusterHandle, namespace: str, operator: OperatorProcess, gateway: GatewayProcess
-) -> None:
+class DriftWatch:
+    """Wraps the probes of the waits, noting any drift the operator reports meanwhile (a
+    rollout is not drift): ``seen`` must stay empty."""
+
+    def __init__(self, cluster: ClusterHandle, namespace: str) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.seen: list[Any] = []
+
+    def __call__(self, probe: Callable[[], Any]) -> Callable[[], Any]:
+        def check() -> Any:
+            drift = pool_status(self.cluster, self.namespace, POOL).get("drift")
+            if drift:
+                self.seen.append(drift)
+            return probe()
+
+        return check
+
+
+class Phases:
+    """The phases of ``load``, one row of counts each (see ``table``)."""
+
+    def __init__(self, gateway: GatewayProcess, load: Load, watch: DriftWatch) -> None:
+        self.gateway = gateway
+        self.load = load
+        self.watch = watch
+        self.rows: list[tuple[str, float, dict[str, float]]] = []
+
+    def run(
+        self, name: str, change: Callable[[], object], done: Callable[[], list[str] | None]
+    ) -> None:
+        """Switch the load to phase ``name``, make the change, wait until the pool has settled
+        and every replica left has served in this phase."""
+        before = gateway_counts(self.gateway)
+        self.load.start(name)
+        started = time.monotonic()
+        change()
+        replicas = wait_for(f"{name}: the pool settled", self.watch(done), CHANGE_SECONDS, 1)
+
+        def served() -> bool:
+            got = grew(before, gateway_counts(self.gateway))
+            return self.load.count(name) >= MIN_REQUESTS and all(got.get(p) for p in replicas)
+
+        wait_for(f"{name}: every replica {replicas} serving", served, 60, 0.5)
+        counts = grew(before, gateway_counts(self.gateway))
+        self.rows.append((name, time.monotonic() - started, counts))
+
+    @contextmanager
+    def clients(self, executor: ThreadPoolExecutor, legend: bool = False) -> Iterator[None]:
+        """CLIENTS clients of the load on ``executor`` while the block runs; then stopped,
+        waited for, and the table printed."""
+        clients = [executor.submit(self.load.run, client) for client in range(CLIENTS)]
+        try:
+            yield
+        finally:
+            self.load.stop()
+            for client in clients:
+                client.result(timeout=CLIENT_TIMEOUT_SECONDS + 30)
+            print(f"\n{table(self.load, self.rows)}")
+            if legend:
+                print(
+                    "(retried: sent to a second replica; errors: upstream errors the gateway saw)"
+                )
+
+
+def start_pool(cluster: ClusterHandle, namespace: str, gateway: GatewayProcess) -> str:
+    """Apply the pool, wait until it serves through the gateway; its first pinned digest."""
     began = time.monotonic()
     cluster.apply(*pool_documents(), namespace=namespace)
     pods = wait_for("two replicas ready", lambda: settled(cluster, namespace, 2), START_SECONDS, 1)
 
     def ready_status() -> dict[str, Any] | None:
-        status = pool_status(cluster, namespace)
-        return status if pool_ready(status) else None
+        status = pool_status(cluster, namespace, POOL)
+        return status if condition(status, "Ready").get("status") == "True" else None
 
     status = wait_for("the pool Ready", ready_status, 60, 1)
-    first_digest = status["pinnedDigest"]
     wait_for("the gateway serving the pool", lambda: gateway.complete("Hi", MODEL)[0] == 200, 60, 1)
     print(f"\npool of {pods} serving after {time.monotonic() - began:.0f}s")
+    return status["pinnedDigest"]
 
+
+def pinned_change_and_scaling(
+    phases: Phases, cluster: ClusterHandle, namespace: str, first_digest: str
+) -> None:
+    phases.run("steady", lambda: None, lambda: settled(cluster, namespace, 2))
+
+    def pinned() -> list[str] | None:
+        digest = pool_status(cluster, namespace, POOL).get("pinnedDigest")
+        if digest == first_digest:
+            return None
+        return settled(cluster, namespace, 2, digest)
+
+    change = {"maxModelLen": LONG_MODEL_LEN}
+    phases.run("pinned change", lambda: patch_pool(cluster, namespace, POOL, change), pinned)
+    phases.run(
+        "scale-down 2->1",
+        lambda: patch_pool(cluster, namespace, POOL, {"replicas": 1}),
+        lambda: settled(cluster, namespace, 1),
+    )
+    phases.run(
+        "scale-up 1->2",
+        lambda: patch_pool(cluster, namespace, POOL, {"replicas": 2}),
+        lambda: settled(cluster, namespace, 2),
+    )
+
+
+def deleted_and_evicted_pods(phases: Phases, cluster: ClusterHandle, namespace: str) -> None:
+    victim = pool_pods(cluster, namespace)[0]["metadata"]["name"]
+    phases.run(
+        "deleted pod",
+        lambda: cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false"),
+        lambda: (p := settled(cluster, namespace, 2)) and victim not in p and p or None,
+    )
+
+    evicted, other = (p["metadata"]["name"] for p in pool_pods(cluster, namespace))
+    wait_for(
+        "the PDB to allow one disruption",
+        lambda: disruptions_allowed(cluster, namespace) == 1,
+        60,
+        1,
+    )
+    refused: list[str] = []
+
+    def eviction() -> None:
+        code, output = evict(cluster, namespace, evicted)
+        assert code == 0, f"eviction of {evicted} refused: {output}"
+        # The budget is spent until the replacement is Ready: the next one is refused.
+        code, output = evict(cluster, namespace, other)
+        assert code != 0, f"a second eviction ({other}) was allowed beside {evicted}"
+        refused.append(output.strip())
+
+    phases.run(
+        "eviction",
+        eviction,
+        lambda: (p := settled(cluster, namespace, 2)) and evicted not in p and p or None,
+    )
+    assert "disruption budget" in refused[0], refused
+
+
+def changes_under_steady_load(
+    cluster: ClusterHandle, namespace: str, gateway: GatewayProcess, watch: DriftWatch,
+    first_digest: str,
+) -> None:  # fmt: skip
+    """A pinned change, scaling, a deleted pod and an eviction under load: no request fails."""
     load = Load(gateway.url, MODEL, TOKENS, CLIENT_TIMEOUT_SECONDS)
-    drift_seen: list[Any] = []
-    rows: list[tuple[str, float, dict[str, float]]] = []
+    phases = Phases(gateway, load, watch)
+    with ThreadPoolExecutor(CLIENTS + 1) as executor, phases.clients(executor, legend=True):
+        pinned_change_and_scaling(phases, cluster, namespace, first_digest)
+        deleted_and_evicted_pods(phases, cluster, namespace)
 
-    def watched(probe: Callable[[], Any]) -> Callable[[], Any]:
-        """``probe``, noting any drift the operator reports meanwhile (a rollout is not drift)."""
-
-        def check() -> Any:
-            drift = pool_status(cluster, namespace).get("drift")
-            if drift:
-                drift_seen.append(drift)
-            return probe()
-
-        return check
-
-    def phase(name: str, change: Callable[[], None], done: Callable[[], list[str] | None]) -> None:
-        """Switch the load to phase ``name``, make the change, wait until the pool has settled
-        and every replica left has served in this phase."""
-        before = gateway_counts(gateway)
-        load.start(name)
-        started = time.monotonic()
-        change()
-        replicas = wait_for(f"{name}: the pool settled", watched(done), CHANGE_SECONDS, 1)
-
-        def served() -> bool:
-            got = grew(before, gateway_counts(gateway))
-            return load.count(name) >= MIN_REQUESTS and all(got.get(p) for p in replicas)
-
-        wait_for(f"{name}: every replica {replicas} serving", served, 60, 0.5)
-        rows.append((name, time.monotonic() - started, grew(before, gateway_counts(gateway))))
-
-    with ThreadPoolExecutor(CLIENTS + 1) as executor:
-        clients = [executor.submit(load.run, client) for client in range(CLIENTS)]
-        try:
-            phase("steady", lambda: None, lambda: settled(cluster, namespace, 2))
-
-            def pinned() -> list[str] | None:
-                digest = pool_status(cluster, namespace).get("pinnedDigest")
-                if digest == first_digest:
-                    return None
-                return settled(cluster, namespace, 2, digest)
-
-            change = {"maxModelLen": LONG_MODEL_LEN}
-            phase("pinned change", lambda: patch_spec(cluster, namespace, change), pinned)
-            phase(
-                "scale-down 2->1",
-                lambda: patch_spec(cluster, namespace, {"replicas": 1}),
-                lambda: settled(cluster, namespace, 1),
-            )
-            phase(
-                "scale-up 1->2",
-                lambda: patch_spec(cluster, namespace, {"replicas": 2}),
-                lambda: settled(cluster, namespace, 2),
-            )
-
-            victim = pool_pods(cluster, namespace)[0]["metadata"]["name"]
-            phase(
-                "deleted pod",
-                lambda: cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false"),
-                lambda: (p := settled(cluster, namespace, 2)) and victim not in p and p,
-            )
-
-            evicted, other = (p["metadata"]["name"] for p in pool_pods(cluster, namespace))
-            wait_for(
-                "the PDB to allow one disruption",
-                lambda: disruptions_allowed(cluster, namespace) == 1,
-                60,
-                1,
-            )
-            refused: list[str] = []
-
-            def eviction() -> None:
-                code, output = evict(cluster, namespace, evicted)
-                assert code == 0, f"eviction of {evicted} refused: {output}"
-                # The budget is spent until the replacement is Ready: the next one is refused.
-                code, output = evict(cluster, namespace, other)
-                assert code != 0, f"a second eviction ({other}) was allowed beside {evicted}"
-                refused.append(output.strip())
-
-            phase(
-                "eviction",
-                eviction,
-                lambda: (p := settled(cluster, namespace, 2)) and evicted not in p and p,
-            )
-            assert "disruption budget" in refused[0], refused
-        finally:
-            load.stop()
-            for client in clients:
-                client.result(timeout=CLIENT_TIMEOUT_SECONDS + 30)
-            print(f"\n{table(load, rows)}")
-            print("(retried: sent to a second replica; errors: upstream errors the gateway saw)")
-
-    report = table(load, rows)
+    report = table(load, phases.rows)
     failures = "\n".join(load.failures[:20])
     assert not load.failures and sum(load.failed.values()) == 0, f"\n{report}\n{failures}"
-    assert all(load.ok[name] >= MIN_REQUESTS for name, _, _ in rows), report
-    assert drift_seen == [], f"drift reported during the changes: {drift_seen}"
+    assert all(load.ok[name] >= MIN_REQUESTS for name, _, _ in phases.rows), report
+    assert watch.seen == [], f"drift reported during the changes: {watch.seen}"
 
-    # --- Scale-down under uneven load: the idle replica goes, the busy one and its work stay.
+
+def scale_down_under_uneven_load(
+    cluster: ClusterHandle, namespace: str, watch: DriftWatch
+) -> tuple[str, int]:
+    """The idle replica goes, the busy one and its work stay: (the busy one, the tokens of a
+    generation longer than the old grace period)."""
     pods = settled(cluster, namespace, 2)
     assert pods is not None
     # Without deletion costs the ReplicaSet removes the replica Ready for the shortest time,
@@ -367,9 +398,9 @@ def test_changes_under_steady_load_fail_no_request_and_scale_down_spares_the_bus
         generation = executor.submit(long.run)
         assert long.started.wait(60), "the long generation did not start"
         scaled_at = time.monotonic()
-        patch_spec(cluster, namespace, {"replicas": 1})
+        patch_pool(cluster, namespace, POOL, {"replicas": 1})
         survivors = wait_for(
-            "scale-down to one replica", watched(lambda: settled(cluster, namespace, 1)), 120, 1
+            "scale-down to one replica", watch(lambda: settled(cluster, namespace, 1)), 120, 1
         )
         running = not generation.done()
         annotations = cluster.get("pod", busy, "-n", namespace)["metadata"].get("annotations", {})
@@ -384,50 +415,47 @@ def test_changes_under_steady_load_fail_no_request_and_scale_down_spares_the_bus
     assert survivors == [busy], f"the busy replica {busy} was removed, the idle {idle} kept"
     assert running, "the long generation ended before the scale-down did: it proved nothing"
     long.check_whole()
-    assert drift_seen == [], f"drift reported during the scale-down: {drift_seen}"
+    assert watch.seen == [], f"drift reported during the scale-down: {watch.seen}"
+    return busy, tokens
 
-    # --- A rollout replaces the only replica while it generates for longer than the old grace
-    # period: the drain lets the generation finish; the gateway holds what the pool gets
-    # meanwhile until the new replica is Ready.
+
+def rollout_of_the_only_replica(
+    cluster: ClusterHandle, namespace: str, gateway: GatewayProcess, watch: DriftWatch,
+    busy: str, tokens: int,
+) -> None:  # fmt: skip
+    """The rollout replaces ``busy`` while it generates ``tokens``, longer than the old grace
+    period: the drain lets the generation finish; the gateway holds what the pool gets
+    meanwhile until the new replica is Ready."""
     longer = Generation(cluster, namespace, busy, tokens)
     load = Load(gateway.url, MODEL, TOKENS, CLIENT_TIMEOUT_SECONDS)
-    rows = []
+    phases = Phases(gateway, load, watch)
     terminating: list[float] = []
-    name = "rollout of 1"
+
+    def roll() -> None:
+        patch_pool(cluster, namespace, POOL, {"maxModelLen": LONG_MODEL_LEN + 128})
+        wait_for(
+            f"{busy} terminating",
+            lambda: cluster.get("pod", busy, "-n", namespace)["metadata"].get("deletionTimestamp"),
+            60,
+            0.5,
+        )
+        terminating.append(time.monotonic())
+
+    def replaced() -> list[str] | None:
+        """The new replica, once Ready (the old one drains on meanwhile)."""
+        pods = pool_pods(cluster, namespace)
+        new = [p for p in pods if p["metadata"]["name"] != busy and pod_ready(p)]
+        return [new[0]["metadata"]["name"]] if len(new) == 1 == len(pods) - 1 else None
+
     with ThreadPoolExecutor(CLIENTS + 1) as executor:
         generation = executor.submit(longer.run)
         assert longer.started.wait(60), "the longer generation did not start"
-        clients = [executor.submit(load.run, client) for client in range(CLIENTS)]
-        try:
+        with phases.clients(executor):
             wait_for("load on the replica", lambda: load.count("steady") >= CLIENTS, 60, 0.5)
-
-            def roll() -> None:
-                patch_spec(cluster, namespace, {"maxModelLen": LONG_MODEL_LEN + 128})
-                wait_for(
-                    f"{busy} terminating",
-                    lambda: cluster.get("pod", busy, "-n", namespace)["metadata"].get(
-                        "deletionTimestamp"
-                    ),
-                    60,
-                    0.5,
-                )
-                terminating.append(time.monotonic())
-
-            def replaced() -> list[str] | None:
-                """The new replica, once Ready (the old one drains on meanwhile)."""
-                pods = pool_pods(cluster, namespace)
-                new = [p for p in pods if p["metadata"]["name"] != busy and pod_ready(p)]
-                return [new[0]["metadata"]["name"]] if len(new) == 1 == len(pods) - 1 else None
-
-            phase(name, roll, replaced)
-        finally:
-            load.stop()
-            for client in clients:
-                client.result(timeout=CLIENT_TIMEOUT_SECONDS + 30)
-            print(f"\n{table(load, rows)}")
+            phases.run("rollout of 1", roll, replaced)
         generation.result(timeout=DRAIN_SECONDS)
     # The old replica exits once its drain is over, well before its grace period ends.
-    wait_for(f"{busy} gone", watched(lambda: settled(cluster, namespace, 1)), 60, 0.5)
+    wait_for(f"{busy} gone", watch(lambda: settled(cluster, namespace, 1)), 60, 0.5)
     after = longer.ended_at - terminating[0]
     print(
         f"a generation of {tokens} tokens ({longer.ended_at - longer.first_at:.0f}s) ended"
@@ -435,7 +463,18 @@ def test_changes_under_steady_load_fail_no_request_and_scale_down_spares_the_bus
     )
     longer.check_whole()
     failures = "\n".join(load.failures[:20])
-    assert not load.failures, f"\n{table(load, rows)}\n{failures}"
+    assert not load.failures, f"\n{table(load, phases.rows)}\n{failures}"
     assert after > OLD_GRACE_SECONDS, f"the generation ended {after:.0f}s into the drain"
-    assert drift_seen == [], f"drift reported during the rollout: {drift_seen}"
+    assert watch.seen == [], f"drift reported during the rollout: {watch.seen}"
+
+
+def test_changes_under_steady_load_fail_no_request_and_scale_down_spares_the_busy_replica(
+    cluster: ClusterHandle, namespace: str, operator: OperatorProcess, gateway: GatewayProcess
+) -> None:
+    began = time.monotonic()
+    first_digest = start_pool(cluster, namespace, gateway)
+    watch = DriftWatch(cluster, namespace)
+    changes_under_steady_load(cluster, namespace, gateway, watch, first_digest)
+    busy, tokens = scale_down_under_uneven_load(cluster, namespace, watch)
+    rollout_of_the_only_replica(cluster, namespace, gateway, watch, busy, tokens)
     print(f"whole test {time.monotonic() - began:.0f}s")
