@@ -10,7 +10,7 @@ Two measurements, each alternating between the ways in one process:
   VNNI kernel; with the weight bandwidth of each;
 - the engine's whole eager bfloat16 step with ``--concurrency`` requests decoding under int8 and
   int4 (whose LM head is int8), rounds of steps alternating between the kernels on and off
-  (``vnni_gemm.set_enabled``).
+  (``LlamaForCausalLM.use_kernels``).
 
     python benchmarks/vnni_gemm.py --rows 1 2 4 16 --concurrency 1 2 16
 
@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,7 @@ from bf16_gemm import alternate_steps
 
 from llmpool.bench.offline import cpu_model
 from llmpool.engine import LLM
-from llmpool.engine.models import vnni_gemm
+from llmpool.engine.kernels import vnni_gemm
 from llmpool.engine.models.int4 import INT4_GROUP_SIZE, Int4Linear
 from llmpool.engine.models.quantization import Int8Linear, int8_split_matmul
 
@@ -108,12 +110,8 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 16])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    if not vnni_gemm.available():
+    if not vnni_gemm.KERNEL.available:
         raise SystemExit("the vnni_gemm kernels are not built here (AVX-512 VNNI and VBMI, gcc)")
-    choices = {
-        "kernel": lambda: vnni_gemm.set_enabled(True),
-        "torch": lambda: vnni_gemm.set_enabled(False),
-    }
     report: dict[str, Any] = {"cpu": cpu_model(), "threads": torch.get_num_threads()}
     for quantization, ways in (("int8", INT8_WAYS), ("int4", INT4_WAYS)):
         llm = build(quantization)
@@ -122,6 +120,11 @@ def main() -> None:
             gemms.append(step_gemms(quantized_layers(llm), ways, rows, args.rounds))
             print(f"{quantization} gemms: {gemms[-1]}", flush=True)
         report[f"{quantization}_step_gemms"] = gemms
+        use, kernels = llm.engine.model.use_kernels, llm.engine.kernels
+        choices = {
+            "kernel": functools.partial(use, kernels),
+            "torch": functools.partial(use, replace(kernels, vnni_gemm=False)),
+        }
         steps = alternate_steps(llm, args.concurrency, args.rounds, choices)
         report[f"{quantization}_step_eager"] = steps
         del llm

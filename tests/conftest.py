@@ -19,7 +19,7 @@ import torch
 
 from llmpool.engine import model_source
 from llmpool.engine.cpu_features import cpu_flags
-from llmpool.engine.cpu_kernels import AVX512_FLAGS
+from llmpool.engine.kernels.c_loader import AVX512_FLAGS
 from llmpool.engine.lora.ops import LoraBatch
 
 

@@ -42,6 +42,7 @@ from llmpool.engine.attention import (  # noqa: E402
     select_backend,
 )
 from llmpool.engine.attention.triton_backend import TRITON  # noqa: E402
+from llmpool.engine.kernels.capabilities import KernelCapabilities, probe_kernels  # noqa: E402
 from llmpool.engine.models.quantization import FP8_DTYPE, quantize_fp8  # noqa: E402
 
 DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get
@@ -57,8 +58,11 @@ HEAD_DIM = 64
 
 
 def test_cuda_selects_the_triton_backend() -> None:
-    assert select_backend(torch.device("cuda")) is TRITON
-    assert select_backend(torch.device("cpu")).name == "cpu"  # tests/test_torch_attention.py
+    kernels = probe_kernels(torch.device("cpu"))
+    assert select_backend(torch.device("cuda"), kernels=KernelCapabilities()) is TRITON
+    assert (
+        select_backend(torch.device("cpu"), kernels=kernels).name == "cpu"
+    )  # test_torch_attention
 
 
 @pytest.fixture(params=[DEVICE])
@@ -352,8 +356,9 @@ def test_auto_runs_an_fp8_cache_on_torch_where_triton_lacks_e4m3(
     """kvCacheDtype fp8 is accepted for any GPU pool, so the engine must start on any GPU."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     cuda = torch.device("cuda")
-    assert select_backend(cuda, "auto", FP8_DTYPE).name == expected
-    assert select_backend(cuda, "auto", torch.bfloat16).name == "triton"
+    kernels = KernelCapabilities()
+    assert select_backend(cuda, "auto", FP8_DTYPE, kernels=kernels).name == expected
+    assert select_backend(cuda, "auto", torch.bfloat16, kernels=kernels).name == "triton"
 
 
 def test_scales_are_refused_for_a_cache_in_the_model_dtype(device: torch.device) -> None:

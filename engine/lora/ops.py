@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmpool.engine.models.linear import linear
+from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice, linear
 
 if TYPE_CHECKING:
     from llmpool.engine.attention import Backend
@@ -74,11 +74,12 @@ def torch_lora_add(
     b: Sequence[torch.Tensor],
     offsets: Sequence[int],
     plan: TorchLoraPlan,
+    gemm: GemmChoice = TORCH_GEMMS,
 ) -> None:
     """``out[t, off_j : off_j + out_j] += scale · (x[t] · A[slot, jR:(j+1)R]ᵀ) · B_j[slot]ᵀ``
     for every row ``t`` with an adapter; ``a`` is ``[S, len(b) · R, in]``, each ``b[j]``
     ``[S, out_j, R]`` (the manager lays it out as ``[out_j, S, R]`` in memory, so that it is one
-    ``[out_j, S · R]`` weight without a copy)."""
+    ``[out_j, S · R]`` weight without a copy). ``gemm``: the model's GEMM choice."""
     if plan.groups is not None:
         _add_by_group(out, x, a, b, offsets, plan, plan.groups)
         return
@@ -86,14 +87,14 @@ def torch_lora_add(
     num_slots, parts_rank, in_features = a.shape
     num_rows, num_parts = x.shape[0], len(b)
     rank = parts_rank // num_parts
-    shrunk = linear(x, a.view(num_slots * parts_rank, in_features))
+    shrunk = linear(x, a.view(num_slots * parts_rank, in_features), gemm=gemm)
     # Each row keeps its own slot's values, times its scale (exact for the power-of-two
     # alpha/r of usual adapters; otherwise it differs from scaling B's output by rounding).
     mine = shrunk.view(num_rows, num_slots, num_parts, rank) * plan.own_slot.to(x.dtype)
     for j, (b_j, offset) in enumerate(zip(b, offsets, strict=True)):
         weight = b_j.permute(1, 0, 2).reshape(b_j.shape[1], num_slots * rank)
         part = mine[:, :, j, :].reshape(num_rows, num_slots * rank)
-        out[:, offset : offset + b_j.shape[1]] += linear(part, weight)
+        out[:, offset : offset + b_j.shape[1]] += linear(part, weight, gemm=gemm)
 
 
 def _add_by_group(

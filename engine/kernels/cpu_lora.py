@@ -1,4 +1,4 @@
-"""The CPU backend's adapter deltas: ``cpu_kernel.c`` for bfloat16 and float32 models, the torch
+"""The CPU backend's adapter deltas: ``cpu_lora.c`` for bfloat16 and float32 models, the torch
 op otherwise (float16, a machine without a C compiler).
 
 The torch op's GEMMs against every slot pay for S slots' work and a library call per GEMM; on
@@ -10,35 +10,23 @@ module.
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-from llmpool.engine import cpu_kernels
+from llmpool.engine.kernels.c_loader import CKernel
 from llmpool.engine.lora.ops import TorchLoraPlan, torch_lora_add
+from llmpool.engine.models.linear import GemmChoice
 
-SOURCE = Path(__file__).with_name("cpu_kernel.c")
-KERNELS = {torch.bfloat16: "lora_add_bf16", torch.float32: "lora_add_f32"}
+SYMBOLS = {torch.bfloat16: "lora_add_bf16", torch.float32: "lora_add_f32"}
 _SIGNATURE = [
     *(ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64),  # x, stride, y, stride
     *(ctypes.c_void_p,) * 4,  # a, b's pointers, out_sizes, offsets
     *(ctypes.c_int64,) * 4,  # parts, num_slots, rank, in
     *(ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p),  # rows, n, slots, scales
 ]
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The kernel, built for this CPU's widest vector instructions."""
-    return cpu_kernels.build(
-        SOURCE, cpu_kernels.arch_flags(), dict.fromkeys(KERNELS.values(), _SIGNATURE)
-    )
-
-
-def available() -> bool:
-    return _library() is not None
+# Built for this CPU's widest vector instructions (portable code elsewhere).
+KERNEL = CKernel("cpu_lora.c", dict.fromkeys(SYMBOLS.values(), _SIGNATURE))
 
 
 def unsupported(
@@ -47,8 +35,8 @@ def unsupported(
     """Why the kernel cannot take these operands, or None: it takes bfloat16 or float32 rows
     (unit column stride) and the manager's layouts (``a`` contiguous, each ``b[j]``
     ``[S, out_j, R]`` over ``[out_j, S, R]`` memory)."""
-    if out.dtype not in KERNELS or not all(t.dtype == out.dtype for t in (x, a, *b)):
-        return f"one dtype of {list(KERNELS)} for every operand"
+    if out.dtype not in SYMBOLS or not all(t.dtype == out.dtype for t in (x, a, *b)):
+        return f"one dtype of {list(SYMBOLS)} for every operand"
     if x.stride(1) != 1 or out.stride(1) != 1 or not a.is_contiguous():
         return "unit column strides and a contiguous A stack"
     if not all(b_j.permute(1, 0, 2).is_contiguous() for b_j in b):
@@ -64,10 +52,8 @@ def kernel_lora_add(
     offsets: Sequence[int],
     plan: TorchLoraPlan,
 ) -> None:
-    """:func:`torch_lora_add` in ``cpu_kernel.c``, for operands it takes (:func:`unsupported`)."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the LoRA kernel is not built")
+    """:func:`torch_lora_add` in ``cpu_lora.c``, for operands it takes (:func:`unsupported`)."""
+    library = KERNEL.built()
     reason = unsupported(out, x, a, b)
     if reason is not None:
         raise ValueError(f"kernel_lora_add needs {reason}")
@@ -91,7 +77,7 @@ def _launch(
     b_pointers = (ctypes.c_void_p * parts)(*(b_j.data_ptr() for b_j in b))
     out_sizes = (ctypes.c_int64 * parts)(*(b_j.shape[1] for b_j in b))
     part_offsets = (ctypes.c_int64 * parts)(*offsets)
-    getattr(library, KERNELS[out.dtype])(
+    getattr(library, SYMBOLS[out.dtype])(
         x.data_ptr(),
         x.stride(0),
         out.data_ptr(),
@@ -118,12 +104,13 @@ def cpu_lora_add(
     b: Sequence[torch.Tensor],
     offsets: Sequence[int],
     plan: TorchLoraPlan,
+    gemm: GemmChoice,
 ) -> None:
-    """The CPU backend's ``lora_add``: the kernel for steps of short groups (decodes), where it
-    applies; the torch op's GEMMs for long groups (prefill chunks), where they outrun it (at
-    512 rows of SmolLM2 in 8 groups of rank 16 they are even, at 2048 1.6x faster)."""
-    library = _library() if plan.groups is None else None
-    if library is not None and unsupported(out, x, a, b) is None:
-        _launch(library, out, x, a, b, offsets, plan)
+    """The CPU backend's ``lora_add`` where the kernel is built: the kernel for steps of short
+    groups (decodes), where it applies; the torch op's GEMMs (``gemm``: the model's choice) for
+    long groups (prefill chunks), where they outrun it (at 512 rows of SmolLM2 in 8 groups of
+    rank 16 they are even, at 2048 1.6x faster)."""
+    if plan.groups is None and unsupported(out, x, a, b) is None:
+        _launch(KERNEL.built(), out, x, a, b, offsets, plan)
     else:
-        torch_lora_add(out, x, a, b, offsets, plan)
+        torch_lora_add(out, x, a, b, offsets, plan, gemm)
