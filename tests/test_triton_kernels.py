@@ -529,16 +529,12 @@ def test_lora_add_matches_reference(
     # (not a multiple of the kernel's K step); parts of 32, 16 and 16 columns.
     case = lora_case(max_rank, dtype, device)
     expected = case.out.clone()
-    TORCH.lora_add(
-        expected, case.x, case.a, case.b, case.offsets, TORCH.lora_plan(case.batch, case.scaling)
-    )
+    TORCH.lora_add(expected, case.x, case.weights, TORCH.lora_plan(case.batch, case.scaling))
     plan = TRITON.lora_plan(case.batch, case.scaling)
     # Rows per program from the longest group (one tile for 17 rows), then 16 (two tiles).
     for block_m in (plan.block_m, 16):
         actual = case.out.clone()
-        TRITON.lora_add(
-            actual, case.x, case.a, case.b, case.offsets, dataclasses.replace(plan, block_m=block_m)
-        )
+        TRITON.lora_add(actual, case.x, case.weights, dataclasses.replace(plan, block_m=block_m))
         torch.testing.assert_close(actual, expected, **LORA_TOL[dtype])
         base_rows = [row for row, slot in enumerate(case.row_slots) if slot < 0]
         assert torch.equal(actual[base_rows], case.out[base_rows])

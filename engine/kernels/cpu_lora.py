@@ -10,12 +10,11 @@ module.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
 
 import torch
 
 from llmpool.engine.kernels.c_loader import CKernel
-from llmpool.engine.lora.ops import TorchLoraPlan, torch_lora_add
+from llmpool.engine.lora.ops import LoraWeights, TorchLoraPlan, torch_lora_add
 from llmpool.engine.models.linear import GemmChoice
 
 SYMBOLS = {torch.bfloat16: "lora_add_bf16", torch.float32: "lora_add_f32"}
@@ -29,12 +28,11 @@ _SIGNATURE = [
 KERNEL = CKernel("cpu_lora.c", dict.fromkeys(SYMBOLS.values(), _SIGNATURE))
 
 
-def unsupported(
-    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor]
-) -> str | None:
+def unsupported(out: torch.Tensor, x: torch.Tensor, weights: LoraWeights) -> str | None:
     """Why the kernel cannot take these operands, or None: it takes bfloat16 or float32 rows
     (unit column stride) and the manager's layouts (``a`` contiguous, each ``b[j]``
     ``[S, out_j, R]`` over ``[out_j, S, R]`` memory)."""
+    a, b = weights.a, weights.b
     if out.dtype not in SYMBOLS or not all(t.dtype == out.dtype for t in (x, a, *b)):
         return f"one dtype of {list(SYMBOLS)} for every operand"
     if x.stride(1) != 1 or out.stride(1) != 1 or not a.is_contiguous():
@@ -45,39 +43,20 @@ def unsupported(
 
 
 def kernel_lora_add(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: Sequence[torch.Tensor],
-    offsets: Sequence[int],
-    plan: TorchLoraPlan,
+    out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, plan: TorchLoraPlan
 ) -> None:
-    """:func:`torch_lora_add` in ``cpu_lora.c``, for operands it takes (:func:`unsupported`)."""
-    library = KERNEL.built()
-    reason = unsupported(out, x, a, b)
-    if reason is not None:
-        raise ValueError(f"kernel_lora_add needs {reason}")
-    _launch(library, out, x, a, b, offsets, plan)
-
-
-def _launch(
-    library: ctypes.CDLL,
-    out: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: Sequence[torch.Tensor],
-    offsets: Sequence[int],
-    plan: TorchLoraPlan,
-) -> None:
+    """:func:`torch_lora_add` in ``cpu_lora.c``, for operands it takes (:func:`unsupported`:
+    the caller checks, once per call)."""
     rows = plan.sorted_tokens
     if rows.numel() == 0:
         return
+    a, b = weights.a, weights.b
     num_slots, parts_rank, in_features = a.shape
     parts = len(b)
     b_pointers = (ctypes.c_void_p * parts)(*(b_j.data_ptr() for b_j in b))
     out_sizes = (ctypes.c_int64 * parts)(*(b_j.shape[1] for b_j in b))
-    part_offsets = (ctypes.c_int64 * parts)(*offsets)
-    getattr(library, SYMBOLS[out.dtype])(
+    part_offsets = (ctypes.c_int64 * parts)(*weights.offsets)
+    getattr(KERNEL.built(), SYMBOLS[out.dtype])(
         x.data_ptr(),
         x.stride(0),
         out.data_ptr(),
@@ -100,9 +79,7 @@ def _launch(
 def cpu_lora_add(
     out: torch.Tensor,
     x: torch.Tensor,
-    a: torch.Tensor,
-    b: Sequence[torch.Tensor],
-    offsets: Sequence[int],
+    weights: LoraWeights,
     plan: TorchLoraPlan,
     gemm: GemmChoice,
 ) -> None:
@@ -110,7 +87,7 @@ def cpu_lora_add(
     groups (decodes), where it applies; the torch op's GEMMs (``gemm``: the model's choice) for
     long groups (prefill chunks), where they outrun it (at 512 rows of SmolLM2 in 8 groups of
     rank 16 they are even, at 2048 1.6x faster)."""
-    if plan.groups is None and unsupported(out, x, a, b) is None:
-        _launch(KERNEL.built(), out, x, a, b, offsets, plan)
+    if plan.groups is None and unsupported(out, x, weights) is None:
+        kernel_lora_add(out, x, weights, plan)
     else:
-        torch_lora_add(out, x, a, b, offsets, plan, gemm)
+        torch_lora_add(out, x, weights, plan, gemm)

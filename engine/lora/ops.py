@@ -37,6 +37,18 @@ class LoraBatch:
     max_group_len: int
 
 
+@dataclass(frozen=True)
+class LoraWeights:
+    """One fused module's adapter slots, as every backend's ``lora_add`` takes them: ``a``
+    ``[S, len(b) · R, in]``, each ``b[j]`` ``[S, out_j, R]`` (the manager lays it out as
+    ``[out_j, S, R]`` in memory, so that it is one ``[out_j, S · R]`` weight without a copy), and
+    where each part's outputs start in the module's output."""
+
+    a: torch.Tensor
+    b: Sequence[torch.Tensor]
+    offsets: Sequence[int]
+
+
 # From this many rows in the step's largest group (prefill chunks), the torch path multiplies
 # each group by its own slot's weights: the GEMMs against every slot would waste (S - 1)/S of
 # their work on long prompts, while a decode step's few rows per adapter are cheaper in the
@@ -70,20 +82,18 @@ def torch_lora_plan(batch: LoraBatch, scaling: torch.Tensor) -> TorchLoraPlan:
 def torch_lora_add(
     out: torch.Tensor,
     x: torch.Tensor,
-    a: torch.Tensor,
-    b: Sequence[torch.Tensor],
-    offsets: Sequence[int],
+    weights: LoraWeights,
     plan: TorchLoraPlan,
     gemm: GemmChoice = TORCH_GEMMS,
 ) -> None:
     """``out[t, off_j : off_j + out_j] += scale · (x[t] · A[slot, jR:(j+1)R]ᵀ) · B_j[slot]ᵀ``
-    for every row ``t`` with an adapter; ``a`` is ``[S, len(b) · R, in]``, each ``b[j]``
-    ``[S, out_j, R]`` (the manager lays it out as ``[out_j, S, R]`` in memory, so that it is one
-    ``[out_j, S · R]`` weight without a copy). ``gemm``: the model's GEMM choice."""
+    for every row ``t`` with an adapter (:class:`LoraWeights`); ``gemm``: the model's GEMM
+    choice."""
     if plan.groups is not None:
-        _add_by_group(out, x, a, b, offsets, plan, plan.groups)
+        _add_by_group(out, x, weights, plan, plan.groups)
         return
     assert plan.own_slot is not None
+    a, b, offsets = weights.a, weights.b, weights.offsets
     num_slots, parts_rank, in_features = a.shape
     num_rows, num_parts = x.shape[0], len(b)
     rank = parts_rank // num_parts
@@ -100,12 +110,11 @@ def torch_lora_add(
 def _add_by_group(
     out: torch.Tensor,
     x: torch.Tensor,
-    a: torch.Tensor,
-    b: Sequence[torch.Tensor],
-    offsets: Sequence[int],
+    weights: LoraWeights,
     plan: TorchLoraPlan,
     groups: tuple[tuple[int, int, int], ...],
 ) -> None:
+    a, b, offsets = weights.a, weights.b, weights.offsets
     rows = plan.sorted_tokens
     grouped_x = x.index_select(0, rows)
     scale = plan.row_scale.index_select(0, rows).to(out.dtype)
@@ -156,6 +165,5 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, layer: int, module: int) -> Non
     if step is None:
         return
     stacks = step.stacks
-    step.backend.lora_add(
-        out, x, stacks.a[layer][module], stacks.b[layer][module], stacks.offsets[module], step.plan
-    )
+    weights = LoraWeights(stacks.a[layer][module], stacks.b[layer][module], stacks.offsets[module])
+    step.backend.lora_add(out, x, weights, step.plan)
