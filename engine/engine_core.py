@@ -16,11 +16,11 @@ from llmpool.engine.admission import InvalidRequestError, Limits, admit
 from llmpool.engine.attention import check_kv_cache_dtype, select_backend
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.detokenizer import IncrementalDetokenizer
+from llmpool.engine.kernels.capabilities import probe_kernels
 from llmpool.engine.kv_cache_manager import KVCacheManager
 from llmpool.engine.lora.adapter import AdapterError, AdapterWeights, read_adapter
 from llmpool.engine.lora.manager import LoadedAdapter, LoraManager, UnknownAdapterError
 from llmpool.engine.model_runner import ModelRunner
-from llmpool.engine.models import bf16_gemm, linear, vnni_gemm
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
 from llmpool.engine.models.loader import SUPPORTED_MODEL_TYPES, load_weights
 from llmpool.engine.models.quantization import (
@@ -101,21 +101,28 @@ class EngineCore:
         self.resolved_dtype = config.resolved_dtype(self.device)
         self.dtype = self.resolved_dtype.dtype
         self.kv_cache_torch_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
+        dense = config.quantization == "none"  # quantized layers have their own kernels
+        gemm_shape = (2 * self.shape.intermediate_size, self.shape.hidden_size) if dense else None
+        self.kernels = probe_kernels(self.device, self.dtype, gemm_shape)
         self.backend = select_backend(
-            self.device, config.attention_backend, self.kv_cache_torch_dtype
+            self.device, config.attention_backend, self.kv_cache_torch_dtype, kernels=self.kernels
         )
         check_kv_cache_dtype(self.backend, self.kv_cache_torch_dtype, self.device)
 
-        model = LlamaForCausalLM(self.shape, self.backend, max_positions=self.max_model_len)
+        model = LlamaForCausalLM(
+            self.shape, self.backend, max_positions=self.max_model_len, gemm=self.kernels.gemm
+        )
         load_weights(model, folder)
         num_parameters = sum(p.numel() for p in model.parameters())
-        quantize(model, config.quantization)  # from the float32 checkpoint weights, before the cast
+        quantize(
+            model, config.quantization, self.kernels
+        )  # from the float32 checkpoint weights, before the cast
         if config.quantization != "none" and self.device.type == "cpu":
             logger.info(
                 "%s decodes on this CPU: %s",
                 config.quantization,
                 "the VNNI kernels (vnni_gemm)"
-                if vnni_gemm.enabled()
+                if self.kernels.vnni_gemm
                 else "torch's weight-only kernels (the VNNI ones need AVX-512 VNNI and VBMI and gcc)",
             )
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -158,7 +165,6 @@ class EngineCore:
             self.device,
             self.structured_outputs,
         )
-        self._choose_bfloat16_gemm()
         if config.compile:
             self._compile()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -183,42 +189,6 @@ class EngineCore:
             config.quantization,
             self.kv_dtype_name,
         )
-
-    def _choose_bfloat16_gemm(self) -> None:
-        """Pick this CPU's faster bfloat16 GEMMs: the C kernel for decode rows, float32 for
-        prefill rows.
-
-        Measured on the model's widest projection, so that the choice follows the CPU (this
-        project's Intel Xeon without AMX: the kernel ~1.7x as fast at 16 rows, float32 1.3-1.6x
-        at prefill sizes; where oneDNN's bfloat16 GEMM is the faster, as with AMX, it stays).
-        """
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
-            return
-        projection = self.model.layers[0].gate_up_proj
-        if not isinstance(projection, linear.Linear):  # quantized layers have their own kernels
-            return
-        weight = projection.weight.detach()
-        if bf16_gemm.available():
-            kernel_speedup = linear.probe_bfloat16_kernel(weight)
-            kernel = kernel_speedup >= linear.BFLOAT16_KERNEL_MIN_SPEEDUP
-            says = [
-                f"the C kernel runs {linear.BFLOAT16_KERNEL_PROBE_ROWS} rows"
-                f" {kernel_speedup:.2f}x as fast, so GEMMs of up to"
-                f" {linear.BFLOAT16_KERNEL_MAX_ROWS} rows"
-                + (" run in it" if kernel else " stay in torch")
-            ]
-        else:
-            kernel, says = False, ["no C kernel (it needs AVX-512 and a C compiler)"]
-        linear.set_bfloat16_kernel(linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None)
-        upcast_speedup = linear.probe_bfloat16_upcast(weight)
-        upcast = upcast_speedup >= linear.BFLOAT16_UPCAST_MIN_SPEEDUP
-        linear.set_bfloat16_upcast(linear.BFLOAT16_UPCAST_MIN_ROWS if upcast else None)
-        says.append(
-            f"float32 runs {linear.BFLOAT16_UPCAST_PROBE_ROWS} rows {upcast_speedup:.2f}x as"
-            f" fast, so larger GEMMs of {linear.BFLOAT16_UPCAST_MIN_ROWS}+ rows"
-            + (" run in float32" if upcast else " stay in bfloat16")
-        )
-        logger.info("bfloat16 GEMMs on this CPU: %s", "; ".join(says))
 
     def _compile(self) -> None:
         compilation.check_can_compile(self.device)

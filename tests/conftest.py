@@ -19,8 +19,8 @@ import torch
 
 from llmpool.engine import model_source
 from llmpool.engine.cpu_features import cpu_flags
-from llmpool.engine.cpu_kernels import AVX512_FLAGS
-from llmpool.engine.lora.ops import LoraBatch
+from llmpool.engine.kernels.c_loader import AVX512_FLAGS
+from llmpool.engine.lora.ops import LoraBatch, LoraWeights
 
 
 def needs_cpu(*flags: str) -> pytest.MarkDecorator:
@@ -126,6 +126,15 @@ class LoraCase:
     batch: LoraBatch
     row_slots: list[int]
     ranks: list[int]
+
+    @property
+    def weights(self) -> LoraWeights:
+        return LoraWeights(self.a, self.b, self.offsets)
+
+    def weights_as_the_manager_lays_them_out(self) -> LoraWeights:
+        """B in the manager's ``[out_j, S, R]`` memory, as the CPU kernel takes it."""
+        b = [b_j.permute(1, 0, 2).contiguous().permute(1, 0, 2) for b_j in self.b]
+        return LoraWeights(self.a, b, self.offsets)
 
 
 # (slot, rows) in the batch's order: not sorted by slot; slot 1 is loaded but no row uses it.

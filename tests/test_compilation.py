@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from llmpool.engine import LLM, SamplingParams, compilation
-from llmpool.engine.models import bf16_gemm, linear
+from llmpool.engine.kernels import bf16_gemm
+from llmpool.engine.models import linear
+from llmpool.engine.models.linear import GemmChoice
 
 
 def test_sizes_cover_one_token_each_power_of_two_one_past_it_and_the_largest() -> None:
@@ -72,9 +74,7 @@ def test_compiled_bfloat16_gemm_choices_compile_nothing_after_start(
     """Decodes and chunks of up to 128 rows take ``linear``'s C-kernel branch (an opaque op in
     the graph) where the kernel is built, larger prefill chunks its upcast branch: size branches
     that the start-up compile must have covered, and the same functions as eager."""
-    kernel = bf16_gemm.available()
-    monkeypatch.setattr(linear, "_bfloat16_upcast_min_rows", None)
-    monkeypatch.setattr(linear, "_bfloat16_kernel_max_rows", None)
+    kernel = bf16_gemm.KERNEL.available
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", lambda weight: 2.0)
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", lambda weight: 2.0)
     # ~450 tokens, so the prefill takes the upcast branch; not a repeated phrase, whose
@@ -84,9 +84,8 @@ def test_compiled_bfloat16_gemm_choices_compile_nothing_after_start(
     tokens = {}
     for compiled in (False, True):
         llm = LLM(dtype="bfloat16", compile=compiled, max_num_batched_tokens=512)
-        assert linear.bfloat16_upcast_min_rows() == linear.BFLOAT16_UPCAST_MIN_ROWS
-        assert linear.bfloat16_kernel_max_rows() == (
-            linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None
+        assert llm.engine.kernels.gemm == GemmChoice(
+            linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None, linear.BFLOAT16_UPCAST_MIN_ROWS
         )
         graphs_before = compilation.num_compiled_graphs()
         tokens[compiled] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]

@@ -195,7 +195,7 @@ def test_backends_with_calibrated_scales_match_float_attention(
 ) -> None:
     """K and V of a calibrated layer's magnitudes, written to an fp8 cache with that layer's
     scales and attended, against attention over the same K and V in float32."""
-    backend = select_backend(torch.device("cpu"), backend_name)
+    backend = select_backend(torch.device("cpu"), backend_name, kernels=fp8_engine.kernels)
     shape = fp8_engine.shape
     scales = sorted(fp8_engine.model.kv_scales, key=lambda pair: pair[1])
     k_scale, v_scale = scales[0] if which_layer == "smallest v_scale" else scales[-1]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
 
-from llmpool.engine.models import int4, vnni_gemm
+from llmpool.engine.kernels import vnni_gemm
+from llmpool.engine.kernels.capabilities import probe_kernels
+from llmpool.engine.models import int4
 from llmpool.engine.models.int4 import (
     INT4_GROUP_SIZE,
     INT4_VNNI_MAX_ROWS,
@@ -33,6 +36,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 # prefill (split int8).
 ROWS = [1, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, INT8_VNNI_MAX_ROWS + 1, 64]
 needs_vnni_kernels = needs_cpu("avx512_vnni", "avx512vbmi")
+KERNELS = probe_kernels(torch.device("cpu"))
+BLOCK = KERNELS.int4_pack_block
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -42,9 +47,9 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 def test_packing_round_trips_and_matches_torchs_converter() -> None:
     codes = torch.randint(0, 16, (192, 256), dtype=torch.uint8)
-    packed = pack_int4(codes)
+    packed = pack_int4(codes, BLOCK)
     assert packed.shape == (192, 128) and packed.dtype == torch.uint8
-    assert torch.equal(unpack_int4_transposed(packed), codes.t())
+    assert torch.equal(unpack_int4_transposed(packed, BLOCK), codes.t())
     if hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
         converted = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
         assert torch.equal(packed, converted)
@@ -58,7 +63,7 @@ def test_int4_groups_round_trip_within_half_a_step() -> None:
     step = scales_and_zeros[..., 0].float().t().repeat_interleave(INT4_GROUP_SIZE, dim=1)
     zero = scales_and_zeros[..., 1].float().t().repeat_interleave(INT4_GROUP_SIZE, dim=1)
     expected = (codes.float() - 8) * step + zero
-    dequantized = dequantize_int4(pack_int4(codes), scales_and_zeros)
+    dequantized = dequantize_int4(pack_int4(codes, BLOCK), scales_and_zeros, BLOCK)
     torch.testing.assert_close(dequantized, expected, rtol=1e-6, atol=1e-6)
     # Within half a step of the weight, plus the bfloat16 rounding of the zero.
     assert bool(((dequantized - weight).abs() <= step / 2 + zero.abs() * 2**-8 + 1e-6).all())
@@ -66,9 +71,9 @@ def test_int4_groups_round_trip_within_half_a_step() -> None:
 
 def test_int4_refuses_shapes_the_layout_cannot_hold() -> None:
     with pytest.raises(ValueError, match="int4 needs output features divisible by 64"):
-        Int4Linear.from_float(torch.randn(96, 128))
+        Int4Linear.from_float(torch.randn(96, 128), None, KERNELS)
     with pytest.raises(ValueError, match=f"input features by {INT4_GROUP_SIZE}"):
-        Int4Linear.from_float(torch.randn(64, INT4_GROUP_SIZE + 16))
+        Int4Linear.from_float(torch.randn(64, INT4_GROUP_SIZE + 16), None, KERNELS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -78,7 +83,9 @@ def test_int4_layer_matches_its_dequantized_weight(
     out_features: int, in_features: int, rows: int, dtype: torch.dtype
 ) -> None:
     torch.manual_seed(0)
-    layer = Int4Linear.from_float(torch.randn(out_features, in_features), torch.randn(out_features))
+    layer = Int4Linear.from_float(
+        torch.randn(out_features, in_features), torch.randn(out_features), KERNELS
+    )
     layer = layer.to(dtype)
     x = torch.randn(rows, in_features).to(dtype)
     # The CPU kernel computes in bfloat16 (float32 accumulation): the reference rounds x alike.
@@ -88,20 +95,20 @@ def test_int4_layer_matches_its_dequantized_weight(
     assert relative_error(got, expected) < 2**-7
 
 
-def test_int4_reference_path_is_the_kernels_function(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int4_reference_path_is_the_kernels_function() -> None:
     """What runs where the kernel does not (CUDA, older torch): the dequantized float matmul."""
     torch.manual_seed(0)
-    layer = Int4Linear.from_float(torch.randn(192, 128))
+    layer = Int4Linear.from_float(torch.randn(192, 128), None, KERNELS)
     x = torch.randn(5, 128)
     kernel = layer(x)
-    monkeypatch.setattr(int4, "cpu_kernel_available", lambda: False)
+    layer.use_kernels(replace(KERNELS, torch_int4=False))
     reference = layer(x)
     torch.testing.assert_close(reference, x @ layer.dequantize().T)
     assert relative_error(kernel, reference) < 2**-7
 
 
 def test_int4_scales_keep_their_bits_through_a_dtype_cast() -> None:
-    layer = Int4Linear.from_float(torch.randn(64, 128))
+    layer = Int4Linear.from_float(torch.randn(64, 128), None, KERNELS)
     before = layer.scales_and_zeros.clone()
     layer.to(torch.float32)
     assert layer.scales_and_zeros.dtype == torch.bfloat16
@@ -117,12 +124,12 @@ def test_int8_layer_matches_its_dequantized_weight(
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features)
     quantized, scale = quantize_rows_int8(weight)
-    layer = Int8Linear.from_float(weight).to(dtype)
+    layer = Int8Linear.from_float(weight, None, KERNELS).to(dtype)
     x = torch.randn(rows, in_features).to(dtype)
     dequantized = quantized.float() * layer.scale.float()[:, None]
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, out_features)
-    torchs_kernel = rows <= INT8_KERNEL_MAX_ROWS and not vnni_gemm.enabled()
+    torchs_kernel = rows <= INT8_KERNEL_MAX_ROWS and not KERNELS.vnni_gemm
     if torchs_kernel:  # torch's fused kernel, in bfloat16
         expected = x.bfloat16().float() @ dequantized.T
         assert relative_error(got, expected) < 2**-7
@@ -172,7 +179,7 @@ def test_the_int8_kernel_computes_the_split_matmuls_numbers(
 ) -> None:
     """Every tile remainder (4 outputs, 2 rows), K tails of 64 and a tail alone."""
     torch.manual_seed(0)
-    layer = Int8Linear.from_float(torch.randn(out_features, in_features))
+    layer = Int8Linear.from_float(torch.randn(out_features, in_features), None, KERNELS)
     x = torch.randn(rows, in_features) * torch.logspace(-3, 2, rows)[:, None]
     got = vnni_gemm.int8_linear(x, layer.weight, layer.weight_sums, layer.scale)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
@@ -182,7 +189,7 @@ def test_the_int8_kernel_computes_the_split_matmuls_numbers(
 @needs_vnni_kernels
 def test_the_int8_kernel_takes_bfloat16_and_strided_rows_and_refuses_other_operands() -> None:
     torch.manual_seed(0)
-    layer = Int8Linear.from_float(torch.randn(960, 576))
+    layer = Int8Linear.from_float(torch.randn(960, 576), None, KERNELS)
     operands = (layer.weight, layer.weight_sums, layer.scale)
     x = torch.randn(6, 576).bfloat16()
     assert_split_matmuls_numbers(vnni_gemm.int8_linear(x, *operands), x.float(), layer)
@@ -203,7 +210,7 @@ def test_int8_layers_run_the_vnni_kernel_up_to_its_rows(
     """Up to INT8_VNNI_MAX_ROWS rows an int8 layer calls the kernel; above, the split matmul
     (the same numbers, which is why the calls are counted)."""
     torch.manual_seed(0)
-    layer = Int8Linear.from_float(torch.randn(576, 576)).to(dtype)
+    layer = Int8Linear.from_float(torch.randn(576, 576), None, KERNELS).to(dtype)
     calls = count_kernel_calls(monkeypatch, "int8_linear")
     for rows in (1, INT8_VNNI_MAX_ROWS, INT8_VNNI_MAX_ROWS + 1):
         x = torch.randn(rows, 576).to(dtype)
@@ -223,13 +230,13 @@ def test_the_int4_kernel_is_the_dequantized_product_closer_than_torchs(
     """Rows split into 15 bits against torch's bfloat16 rows: the kernel is within 2e-4 of the
     float32 product of the dequantized weight (~50x closer than torch's kernel here)."""
     torch.manual_seed(0)
-    layer = Int4Linear.from_float(torch.randn(out_features, in_features))
+    layer = Int4Linear.from_float(torch.randn(out_features, in_features), None, KERNELS)
     x = torch.randn(rows, in_features) * torch.logspace(-2, 2, rows)[:, None]
     expected = x @ layer.dequantize().T
     got = vnni_gemm.int4_linear(x, layer.weight, layer.scales_and_zeros_bits)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     assert relative_error(got, expected) < 2e-4
-    if int4.cpu_kernel_available():
+    if int4.torch_has_int4_cpu_kernel():
         torchs = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.bfloat16(), layer.weight, INT4_GROUP_SIZE, layer.scales_and_zeros
         )
@@ -239,7 +246,7 @@ def test_the_int4_kernel_is_the_dequantized_product_closer_than_torchs(
 @needs_vnni_kernels
 def test_the_int4_kernel_takes_bfloat16_and_strided_rows_and_refuses_other_operands() -> None:
     torch.manual_seed(0)
-    layer = Int4Linear.from_float(torch.randn(192, 128))
+    layer = Int4Linear.from_float(torch.randn(192, 128), None, KERNELS)
     operands = (layer.weight, layer.scales_and_zeros_bits)
     x = torch.randn(2, 128).bfloat16()
     expected = x.float() @ layer.dequantize().T
@@ -259,7 +266,7 @@ def test_int4_layers_run_the_vnni_kernel_up_to_its_rows(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
     torch.manual_seed(0)
-    layer = Int4Linear.from_float(torch.randn(192, 128)).to(dtype)
+    layer = Int4Linear.from_float(torch.randn(192, 128), None, KERNELS).to(dtype)
     calls = count_kernel_calls(monkeypatch, "int4_linear")
     for rows in (1, INT4_VNNI_MAX_ROWS, INT4_VNNI_MAX_ROWS + 1):
         x = torch.randn(rows, 128).to(dtype)
@@ -270,18 +277,15 @@ def test_int4_layers_run_the_vnni_kernel_up_to_its_rows(
 
 
 def test_switched_off_quantized_layers_run_torchs_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``set_enabled(False)``, as the benchmark measures torch's kernels: no call reaches ours."""
-    monkeypatch.setattr(vnni_gemm, "_enabled", None)
-    vnni_gemm.set_enabled(False)
-    assert not vnni_gemm.enabled()
+    """Layers given capabilities without the VNNI kernels (as the benchmark measures torch's
+    kernels): no call reaches ours."""
 
     def refuse(*operands: torch.Tensor) -> torch.Tensor:
         raise AssertionError("a kernel was called while switched off")
 
     monkeypatch.setattr(vnni_gemm, "int4_linear", refuse)
     monkeypatch.setattr(vnni_gemm, "int8_linear", refuse)
+    torchs_only = replace(KERNELS, vnni_gemm=False)
     x = torch.randn(1, 128)
-    Int4Linear.from_float(torch.randn(64, 128))(x)
-    Int8Linear.from_float(torch.randn(64, 128))(x)
-    vnni_gemm.set_enabled(True)
-    assert vnni_gemm.enabled() == vnni_gemm.available()
+    Int4Linear.from_float(torch.randn(64, 128), None, torchs_only)(x)
+    Int8Linear.from_float(torch.randn(64, 128), None, torchs_only)(x)

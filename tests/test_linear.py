@@ -11,7 +11,9 @@ from torch import nn
 
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
-from llmpool.engine.models import bf16_gemm, linear
+from llmpool.engine.kernels import bf16_gemm
+from llmpool.engine.models import linear
+from llmpool.engine.models.linear import GemmChoice
 from tests.conftest import needs_cpu
 
 IN, OUT = 576, 320
@@ -19,11 +21,7 @@ IN, OUT = 576, 320
 needs_kernel = needs_cpu()
 
 
-@pytest.fixture(autouse=True)
-def restore_choices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear, "_bfloat16_upcast_min_rows", linear.bfloat16_upcast_min_rows())
-    monkeypatch.setattr(linear, "_bfloat16_kernel_max_rows", linear.bfloat16_kernel_max_rows())
-    linear.set_bfloat16_kernel(None)
+UPCAST_128 = GemmChoice(bfloat16_upcast_min_rows=128)
 
 
 def operands(
@@ -55,16 +53,15 @@ def test_float32_equals_the_plain_linear(rows: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 16, 127])
 def test_bfloat16_below_the_threshold_runs_in_bfloat16(rows: int) -> None:
-    linear.set_bfloat16_upcast(128)
     x, weight, bias = operands(rows, torch.bfloat16)
-    assert torch.equal(linear.linear(x, weight, bias), nn.functional.linear(x, weight, bias))
+    out = linear.linear(x, weight, bias, UPCAST_128)
+    assert torch.equal(out, nn.functional.linear(x, weight, bias))
 
 
 @pytest.mark.parametrize("rows", [128, 300])
 def test_bfloat16_from_the_threshold_runs_in_float32_and_is_no_less_exact(rows: int) -> None:
-    linear.set_bfloat16_upcast(128)
     x, weight, bias = operands(rows, torch.bfloat16)
-    out = linear.linear(x, weight, bias)
+    out = linear.linear(x, weight, bias, UPCAST_128)
     assert out.dtype == torch.bfloat16
     expected = nn.functional.linear(x.float(), weight.float(), bias.float())
     assert torch.equal(out, expected.to(torch.bfloat16))
@@ -110,19 +107,17 @@ def test_the_kernel_takes_strided_rows_and_refuses_other_dtypes() -> None:
 
 @needs_kernel
 def test_with_the_kernel_bfloat16_runs_in_it_up_to_its_rows_then_in_float32() -> None:
-    linear.set_bfloat16_kernel(128)
-    linear.set_bfloat16_upcast(128)
+    gemm = GemmChoice(bfloat16_kernel_max_rows=128, bfloat16_upcast_min_rows=128)
     for rows in (1, 16, 128):
         x, weight, bias = operands(rows, torch.bfloat16)
         expected = bf16_gemm.bf16_linear(x, weight) + bias
-        assert torch.equal(linear.linear(x, weight, bias), expected)
+        assert torch.equal(linear.linear(x, weight, bias, gemm), expected)
     x, weight, bias = operands(129, torch.bfloat16)
     expected = nn.functional.linear(x.float(), weight.float(), bias.float())
-    assert torch.equal(linear.linear(x, weight, bias), expected.to(torch.bfloat16))
+    assert torch.equal(linear.linear(x, weight, bias, gemm), expected.to(torch.bfloat16))
 
 
 def test_without_upcast_every_size_runs_in_bfloat16() -> None:
-    linear.set_bfloat16_upcast(None)
     x, weight, bias = operands(300, torch.bfloat16)
     assert torch.equal(linear.linear(x, weight, bias), nn.functional.linear(x, weight, bias))
 
@@ -131,7 +126,7 @@ def test_the_probes_measure_positive_ratios() -> None:
     _, weight, _ = operands(1, torch.bfloat16)
     speedup = linear.probe_bfloat16_upcast(weight, rows=64, repeats=3)
     assert 0 < speedup < float("inf")
-    if bf16_gemm.available():
+    if bf16_gemm.KERNEL.available:
         speedup = linear.probe_bfloat16_kernel(weight, rows=16, repeats=3)
         assert 0 < speedup < float("inf")
 
@@ -151,16 +146,16 @@ def test_a_bfloat16_engine_upcasts_as_its_probe_says(
 
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", probe)
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", probe)
-    linear.set_bfloat16_upcast(64)
-    with caplog.at_level(logging.INFO, logger="llmpool.engine.engine_core"):
+    with caplog.at_level(logging.INFO, logger="llmpool.engine.kernels.capabilities"):
         core = EngineCore(
             EngineConfig(dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
         )
-    kernel = bf16_gemm.available()
-    assert probed == [core.model.layers[0].gate_up_proj.weight.shape] * (1 + kernel)
-    assert linear.bfloat16_upcast_min_rows() == expected
+    kernel = bf16_gemm.KERNEL.available
+    projection = core.model.layers[0].gate_up_proj
+    assert probed == [projection.weight.shape] * (1 + kernel)
     expected_kernel = linear.BFLOAT16_KERNEL_MAX_ROWS if kernel and speedup > 1.1 else None
-    assert linear.bfloat16_kernel_max_rows() == expected_kernel
+    assert core.kernels.gemm == GemmChoice(expected_kernel, expected)
+    assert projection.gemm is core.kernels.gemm is core.model.gemm
     assert f"{speedup:.2f}x as fast" in caplog.text
 
 

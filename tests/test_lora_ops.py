@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from llmpool.engine.lora import cpu_kernel, ops
+from llmpool.engine.kernels import cpu_lora
+from llmpool.engine.lora import ops
 from llmpool.engine.lora.ops import torch_lora_add, torch_lora_plan
+from llmpool.engine.models.linear import TORCH_GEMMS
 
 
 @pytest.mark.parametrize("grouped_min_rows", [1, 1000], ids=["group-by-group", "every-slot"])
@@ -24,7 +26,7 @@ def test_torch_lora_add_matches_a_loop_over_rows(
     actual = case.out.clone()
     plan = torch_lora_plan(case.batch, case.scaling)
     assert (plan.groups is not None) == (grouped_min_rows == 1)
-    torch_lora_add(actual, case.x, case.a, case.b, case.offsets, plan)
+    torch_lora_add(actual, case.x, case.weights, plan)
 
     torch.testing.assert_close(actual, row_by_row(case).float(), atol=1e-5, rtol=1e-5)
     assert_base_rows_untouched(case, actual)
@@ -44,16 +46,17 @@ def test_cpu_kernel_matches_a_loop_over_rows(
 ) -> None:
     # bfloat16 operands in the manager's [out, S, R] layout of B; tails of every loop: ranks
     # not a multiple of 16 (24, and 12 in slot 2), inputs of 50, parts of 37 and 70 outputs.
-    assert cpu_kernel.available()
+    assert cpu_lora.KERNEL.available
     monkeypatch.setattr(
         ops, "GROUPED_MIN_ROWS", 1000
     )  # a decode step's plan (its largest group: 17)
     case = lora_case(max_rank, torch.bfloat16, torch.device("cpu"), in_features, out_parts)
-    b = [b_j.permute(1, 0, 2).contiguous().permute(1, 0, 2) for b_j in case.b]
+    weights = case.weights_as_the_manager_lays_them_out()
     actual = case.out.clone()
     plan = torch_lora_plan(case.batch, case.scaling)
     assert plan.groups is None
-    cpu_kernel.kernel_lora_add(actual, case.x, case.a, b, case.offsets, plan)
+    assert cpu_lora.unsupported(actual, case.x, weights) is None
+    cpu_lora.kernel_lora_add(actual, case.x, weights, plan)
 
     # float32 sums of exact bfloat16 products, then one rounding to bfloat16.
     expected = row_by_row(case)
@@ -62,13 +65,13 @@ def test_cpu_kernel_matches_a_loop_over_rows(
 
     # The backend's entry point takes the kernel for decode steps, the torch op for long groups.
     through_backend = case.out.clone()
-    cpu_kernel.cpu_lora_add(through_backend, case.x, case.a, b, case.offsets, plan)
+    cpu_lora.cpu_lora_add(through_backend, case.x, weights, plan, TORCH_GEMMS)
     assert torch.equal(through_backend, actual)
     monkeypatch.setattr(ops, "GROUPED_MIN_ROWS", 1)
     grouped = torch_lora_plan(case.batch, case.scaling)
     by_torch, through_backend = case.out.clone(), case.out.clone()
-    torch_lora_add(by_torch, case.x, case.a, b, case.offsets, grouped)
-    cpu_kernel.cpu_lora_add(through_backend, case.x, case.a, b, case.offsets, grouped)
+    torch_lora_add(by_torch, case.x, weights, grouped)
+    cpu_lora.cpu_lora_add(through_backend, case.x, weights, grouped, TORCH_GEMMS)
     assert torch.equal(through_backend, by_torch)
 
 
@@ -79,11 +82,10 @@ def test_cpu_lora_add_in_other_dtypes(
     # float32 in the kernel, float16 (which it does not take) in the torch op.
     monkeypatch.setattr(ops, "GROUPED_MIN_ROWS", 1000)
     case = lora_case(24, dtype, torch.device("cpu"), 50, (37, 16, 70))
-    b = [b_j.permute(1, 0, 2).contiguous().permute(1, 0, 2) for b_j in case.b]
+    weights = case.weights_as_the_manager_lays_them_out()
     actual = case.out.clone()
-    cpu_kernel.cpu_lora_add(
-        actual, case.x, case.a, b, case.offsets, torch_lora_plan(case.batch, case.scaling)
-    )
+    plan = torch_lora_plan(case.batch, case.scaling)
+    cpu_lora.cpu_lora_add(actual, case.x, weights, plan, TORCH_GEMMS)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual.double(), row_by_row(case), atol=tolerance, rtol=tolerance)
     assert_base_rows_untouched(case, actual)

@@ -8,18 +8,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmpool.engine import cpu_kernels
 from llmpool.engine.attention import (
-    CPU,
     TORCH,
     AttentionMetadata,
     Backend,
     check_kv_cache_dtype,
-    cpu_backend,
     select_backend,
 )
 from llmpool.engine.attention.torch_backend import plan
+from llmpool.engine.kernels import c_loader, cpu_decode, cpu_lora
+from llmpool.engine.kernels.capabilities import KernelCapabilities, probe_kernels
 from llmpool.engine.models.quantization import FP8_DTYPE
+
+KERNELS = probe_kernels(torch.device("cpu"))
+CPU = select_backend(torch.device("cpu"), "cpu", kernels=KERNELS)
 
 NUM_KV_HEADS = 2
 HEAD_DIM = 16
@@ -141,9 +143,9 @@ def test_the_portable_kernel_matches_too(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, head_dim: int
 ) -> None:
     """The kernel built without instruction-set flags (what a CPU without AVX-512 runs)."""
-    portable = cpu_backend.build([])
+    portable = cpu_decode.KERNEL.build([])
     assert portable is not None
-    monkeypatch.setattr(cpu_backend, "_library", lambda: portable)
+    monkeypatch.setattr(cpu_decode.KERNEL, "library", lambda: portable)
     seq_lens = [300, 5, 1000]
     _check(seq_lens, [1, 1, 1], 16, 3, CPU, dtype, head_dim)
     _check([300, 200, 64], [1, 1, 64], 16, 3, CPU, dtype, head_dim)  # decodes beside a prefill
@@ -151,17 +153,26 @@ def test_the_portable_kernel_matches_too(
 
 def test_auto_picks_the_cpu_backend_for_its_cache_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    assert select_backend(cpu, "auto", torch.bfloat16) is CPU
-    assert select_backend(cpu, "auto", torch.float32) is CPU
-    assert select_backend(cpu, "auto", FP8_DTYPE) is TORCH
-    assert select_backend(cpu, "torch", torch.float32) is TORCH
+    assert select_backend(cpu, "auto", torch.bfloat16, kernels=KERNELS).name == "cpu"
+    assert select_backend(cpu, "auto", torch.float32, kernels=KERNELS).name == "cpu"
+    assert select_backend(cpu, "auto", FP8_DTYPE, kernels=KERNELS).name == "torch"
+    assert select_backend(cpu, "torch", torch.float32, kernels=KERNELS).name == "torch"
     with pytest.raises(ValueError, match="bfloat16 or float32 caches"):
         check_kv_cache_dtype(CPU, FP8_DTYPE, cpu)
-    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
-    monkeypatch.setattr(cpu_backend, "_library", lambda: cpu_backend.build([]))
-    assert select_backend(cpu, "auto", torch.float32) is TORCH  # no compiler: torch
+    monkeypatch.setattr(c_loader, "_compiler", lambda: None)
+    without_compiler = probed_anew(monkeypatch)
+    assert not without_compiler.cpu_decode
+    assert select_backend(cpu, "auto", torch.float32, kernels=without_compiler).name == "torch"
     with pytest.raises(ValueError, match="C compiler"):
-        select_backend(cpu, "cpu")
+        select_backend(cpu, "cpu", kernels=without_compiler)
+
+
+def probed_anew(monkeypatch: pytest.MonkeyPatch) -> KernelCapabilities:
+    """The capabilities probed again with the C kernels rebuilt (each kept as it was after)."""
+    for kernel in (cpu_decode.KERNEL, cpu_lora.KERNEL):
+        monkeypatch.setattr(kernel, "_library", None)
+        monkeypatch.setattr(kernel, "_tried", False)
+    return probe_kernels(torch.device("cpu"))
 
 
 def test_plan_cuts_context_groups_and_keeps_every_query_once() -> None:
@@ -203,7 +214,9 @@ def test_a_kernel_that_cannot_be_loaded_leaves_the_torch_backend(
     def refuse(path: str) -> None:
         raise OSError(f"{path}: failed to map segment from shared object")
 
-    monkeypatch.setattr(cpu_kernels.ctypes, "CDLL", refuse)
-    monkeypatch.setattr(cpu_backend, "_library", lambda: cpu_backend.build([]))
-    assert cpu_backend.build([]) is None
-    assert select_backend(torch.device("cpu"), "auto", torch.float32) is TORCH
+    monkeypatch.setattr(c_loader.ctypes, "CDLL", refuse)
+    assert cpu_decode.KERNEL.build([]) is None
+    kernels = probed_anew(monkeypatch)
+    assert (
+        select_backend(torch.device("cpu"), "auto", torch.float32, kernels=kernels).name == "torch"
+    )

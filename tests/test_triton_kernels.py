@@ -42,6 +42,7 @@ from llmpool.engine.attention import (  # noqa: E402
     select_backend,
 )
 from llmpool.engine.attention.triton_backend import TRITON  # noqa: E402
+from llmpool.engine.kernels.capabilities import KernelCapabilities, probe_kernels  # noqa: E402
 from llmpool.engine.models.quantization import FP8_DTYPE, quantize_fp8  # noqa: E402
 
 DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get
@@ -57,8 +58,11 @@ HEAD_DIM = 64
 
 
 def test_cuda_selects_the_triton_backend() -> None:
-    assert select_backend(torch.device("cuda")) is TRITON
-    assert select_backend(torch.device("cpu")).name == "cpu"  # tests/test_torch_attention.py
+    kernels = probe_kernels(torch.device("cpu"))
+    assert select_backend(torch.device("cuda"), kernels=KernelCapabilities()) is TRITON
+    assert (
+        select_backend(torch.device("cpu"), kernels=kernels).name == "cpu"
+    )  # test_torch_attention
 
 
 @pytest.fixture(params=[DEVICE])
@@ -352,8 +356,9 @@ def test_auto_runs_an_fp8_cache_on_torch_where_triton_lacks_e4m3(
     """kvCacheDtype fp8 is accepted for any GPU pool, so the engine must start on any GPU."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     cuda = torch.device("cuda")
-    assert select_backend(cuda, "auto", FP8_DTYPE).name == expected
-    assert select_backend(cuda, "auto", torch.bfloat16).name == "triton"
+    kernels = KernelCapabilities()
+    assert select_backend(cuda, "auto", FP8_DTYPE, kernels=kernels).name == expected
+    assert select_backend(cuda, "auto", torch.bfloat16, kernels=kernels).name == "triton"
 
 
 def test_scales_are_refused_for_a_cache_in_the_model_dtype(device: torch.device) -> None:
@@ -524,16 +529,12 @@ def test_lora_add_matches_reference(
     # (not a multiple of the kernel's K step); parts of 32, 16 and 16 columns.
     case = lora_case(max_rank, dtype, device)
     expected = case.out.clone()
-    TORCH.lora_add(
-        expected, case.x, case.a, case.b, case.offsets, TORCH.lora_plan(case.batch, case.scaling)
-    )
+    TORCH.lora_add(expected, case.x, case.weights, TORCH.lora_plan(case.batch, case.scaling))
     plan = TRITON.lora_plan(case.batch, case.scaling)
     # Rows per program from the longest group (one tile for 17 rows), then 16 (two tiles).
     for block_m in (plan.block_m, 16):
         actual = case.out.clone()
-        TRITON.lora_add(
-            actual, case.x, case.a, case.b, case.offsets, dataclasses.replace(plan, block_m=block_m)
-        )
+        TRITON.lora_add(actual, case.x, case.weights, dataclasses.replace(plan, block_m=block_m))
         torch.testing.assert_close(actual, expected, **LORA_TOL[dtype])
         base_rows = [row for row, slot in enumerate(case.row_slots) if slot < 0]
         assert torch.equal(actual[base_rows], case.out[base_rows])

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -11,11 +12,14 @@ import torch
 from llmpool.engine import ops
 from llmpool.engine.attention import cpu_backend, torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
-from llmpool.engine.lora.cpu_kernel import cpu_lora_add
+from llmpool.engine.kernels import cpu_decode
+from llmpool.engine.kernels.capabilities import KernelCapabilities
+from llmpool.engine.kernels.cpu_lora import cpu_lora_add
 from llmpool.engine.lora.ops import torch_lora_add, torch_lora_plan
+from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice
 from llmpool.engine.models.quantization import FP8_DTYPE
 
-__all__ = ["CPU", "TORCH", "AttentionMetadata", "Backend", "check_kv_cache_dtype", "select_backend"]
+__all__ = ["TORCH", "AttentionMetadata", "Backend", "check_kv_cache_dtype", "select_backend"]
 
 # Triton converts to and from e4m3 with instructions NVIDIA GPUs have from this one on (Ada, Hopper).
 FP8_MIN_CAPABILITY = (8, 9)
@@ -36,33 +40,46 @@ class Backend:
     lora_add: Callable[..., None]
 
 
-TORCH = Backend(
-    name="torch",
-    plan=torch_backend.plan,
-    write_kv=torch_backend.write_kv,
-    paged_attention=torch_backend.paged_attention,
-    rms_norm=ops.rms_norm,
-    fused_add_rms_norm=ops.fused_add_rms_norm,
-    rotary_embedding=ops.rotary_embedding,
-    lora_plan=torch_lora_plan,
-    lora_add=torch_lora_add,
-)
+def torch_backend_with(gemm: GemmChoice) -> Backend:
+    """The torch reference, its LoRA GEMMs chosen as the engine's layers choose theirs."""
+    return Backend(
+        name="torch",
+        plan=torch_backend.plan,
+        write_kv=torch_backend.write_kv,
+        paged_attention=torch_backend.paged_attention,
+        rms_norm=ops.rms_norm,
+        fused_add_rms_norm=ops.fused_add_rms_norm,
+        rotary_embedding=ops.rotary_embedding,
+        lora_plan=torch_lora_plan,
+        lora_add=functools.partial(torch_lora_add, gemm=gemm),
+    )
 
-CPU = Backend(
-    name="cpu",
-    plan=cpu_backend.plan,
-    write_kv=torch_backend.write_kv,
-    paged_attention=cpu_backend.paged_attention,
-    rms_norm=ops.rms_norm,
-    fused_add_rms_norm=ops.fused_add_rms_norm,
-    rotary_embedding=ops.rotary_embedding,
-    lora_plan=torch_lora_plan,
-    lora_add=cpu_lora_add,
-)
+
+# torch's own GEMMs throughout: the reference other backends are tested against.
+TORCH = torch_backend_with(TORCH_GEMMS)
+
+
+def cpu_backend_with(kernels: KernelCapabilities) -> Backend:
+    """The torch backend with decodes attended in ``cpu_decode.c`` and, where it is built,
+    adapter deltas added in ``cpu_lora.c``."""
+    torch_path = torch_backend_with(kernels.gemm)
+    return replace(
+        torch_path,
+        name="cpu",
+        plan=cpu_backend.plan,
+        paged_attention=cpu_backend.paged_attention,
+        lora_add=functools.partial(cpu_lora_add, gemm=kernels.gemm)
+        if kernels.cpu_lora
+        else torch_path.lora_add,
+    )
 
 
 def select_backend(
-    device: torch.device, name: str = "auto", kv_cache_dtype: torch.dtype | None = None
+    device: torch.device,
+    name: str = "auto",
+    kv_cache_dtype: torch.dtype | None = None,
+    *,
+    kernels: KernelCapabilities,
 ) -> Backend:
     """``auto`` picks Triton on CUDA, and torch for an fp8 KV cache on a GPU whose Triton cannot
     convert e4m3, so that a pool's kvCacheDtype fp8 runs on any GPU. On CPU it picks the cpu
@@ -75,22 +92,22 @@ def select_backend(
                 name = "torch"
         elif (
             device.type == "cpu"
-            and (kv_cache_dtype is None or kv_cache_dtype in cpu_backend.KERNEL_DTYPES)
-            and cpu_backend.available()
+            and (kv_cache_dtype is None or kv_cache_dtype in cpu_decode.KERNEL_DTYPES)
+            and kernels.cpu_decode
         ):
             name = "cpu"
         else:
             name = "torch"
     if name == "torch":
-        return TORCH
+        return torch_backend_with(kernels.gemm)
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"the cpu attention backend runs on CPU, not {device.type}")
-        if not cpu_backend.available():
+        if not kernels.cpu_decode:
             raise ValueError(
                 "the cpu attention backend needs a C compiler (gcc) to build its kernel"
             )
-        return CPU
+        return cpu_backend_with(kernels)
     if name == "triton":
         from llmpool.engine.attention.triton_backend import TRITON
 

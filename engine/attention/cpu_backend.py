@@ -5,50 +5,22 @@ copy, then attends over the copy: at 16 decodes of 40-700-token contexts that is
 step. Here every decode of the step is one call of a small C kernel that reads the blocks where
 they lie. Prefills and other multi-token queries keep the torch path.
 
-The kernel is built at first use (``cpu_kernels``). Without a compiler, or where the cache
-cannot hold code (a ``noexec`` mount), the backend is unavailable and ``auto`` picks the torch
-backend (logged; the start-up line and ``/fingerprint`` name the backend in use).
+The kernel (``kernels/cpu_decode.py``) is built when the engine probes its kernels
+(``kernels.capabilities``). Without a compiler, or where the cache cannot hold code (a
+``noexec`` mount), the backend is unavailable and ``auto`` picks the torch backend (logged; the
+start-up line and ``/fingerprint`` name the backend in use).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from llmpool.engine import cpu_kernels
 from llmpool.engine.attention import torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
-
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-KERNEL_DTYPES = (torch.bfloat16, torch.float32)
-# (cache dtype, head_dim) -> the kernel's symbol; None: any head_dim.
-KERNELS = {
-    (dtype, head_dim): f"paged_decode_{suffix}" + ("" if head_dim is None else f"_{head_dim}")
-    for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32"))
-    for head_dim in (64, 128, None)
-}
-
-
-SIGNATURE = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-
-
-def build(arch_flags: list[str]) -> ctypes.CDLL | None:
-    """The kernel built with ``arch_flags`` (``[]``: the portable build)."""
-    return cpu_kernels.build(SOURCE, arch_flags, dict.fromkeys(KERNELS.values(), SIGNATURE))
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The kernel built for this CPU's instruction sets."""
-    return build(cpu_kernels.arch_flags())
-
-
-def available() -> bool:
-    return _library() is not None
+from llmpool.engine.kernels import cpu_decode
 
 
 @dataclass
@@ -80,7 +52,7 @@ def plan(meta: AttentionMetadata) -> CpuAttentionPlan:
 
 
 def check_cache_dtype(dtype: torch.dtype) -> None:
-    if dtype not in KERNEL_DTYPES:
+    if dtype not in cpu_decode.KERNEL_DTYPES:
         raise ValueError(
             f"the cpu attention backend holds bfloat16 or float32 caches, not {dtype};"
             " use attention_backend torch"
@@ -98,42 +70,23 @@ def paged_attention(
 ) -> torch.Tensor:
     """``torch_backend.paged_attention``'s contract, for caches of the query's dtype (bfloat16
     or float32, so unscaled: ``select_backend`` picks this backend only for those)."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the CPU decode kernel is not built")
     check_cache_dtype(key_cache.dtype)
     if key_cache.dtype != query.dtype or (k_scale, v_scale) != (1.0, 1.0):
         raise ValueError("the cpu attention backend reads caches of the query's dtype, unscaled")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("the cpu attention backend reads contiguous caches")  # raw pointers
+    decode = functools.partial(
+        cpu_decode.paged_decode,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=attention_plan.decode_block_tables,
+        seq_lens=attention_plan.decode_seq_lens,
+        scale=scale,
+    )
     if attention_plan.only_decodes:
-        decode_query = query.contiguous()
-        out = decode_out = torch.empty_like(decode_query)
-    else:
-        out = torch_backend.paged_attention(
-            query, key_cache, value_cache, attention_plan.torch_plan, scale
-        )
-        decode_query = query.index_select(0, attention_plan.decode_rows)
-        decode_out = torch.empty_like(decode_query)
-    num_decodes, num_heads, head_dim = decode_query.shape
-    if num_decodes:
-        name = KERNELS.get((query.dtype, head_dim), KERNELS[query.dtype, None])
-        kernel = getattr(library, name)
-        kernel(
-            decode_query.data_ptr(),
-            key_cache.data_ptr(),
-            value_cache.data_ptr(),
-            attention_plan.decode_block_tables.data_ptr(),
-            attention_plan.decode_seq_lens.data_ptr(),
-            decode_out.data_ptr(),
-            num_decodes,
-            num_heads,
-            key_cache.shape[2],
-            head_dim,
-            key_cache.shape[1],
-            attention_plan.decode_block_tables.shape[1],
-            scale,
-        )
-    if not attention_plan.only_decodes:
-        out.index_copy_(0, attention_plan.decode_rows, decode_out)
-    return out
+        return decode(query.contiguous())
+    out = torch_backend.paged_attention(
+        query, key_cache, value_cache, attention_plan.torch_plan, scale
+    )
+    decode_out = decode(query.index_select(0, attention_plan.decode_rows))
+    return out.index_copy_(0, attention_plan.decode_rows, decode_out)

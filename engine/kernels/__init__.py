@@ -1,1 +1,3 @@
-"""Triton kernels of the CUDA path: paged attention, KV-cache write, RMSNorm and rotary embedding."""
+"""The engine's kernels: Triton for the CUDA path (paged attention, KV-cache write, RMSNorm,
+rotary embedding, LoRA), C for the CPU (decode attention, LoRA, few-row bfloat16 and VNNI
+GEMMs; built by ``c_loader``), and the capabilities an engine probes once (``capabilities``)."""

@@ -28,3 +28,9 @@ def matmul_dtype(dtype: torch.dtype) -> tl.dtype:
 def dot_precision(dtype: torch.dtype) -> str:
     """``ieee`` for fp32 so fp32 results match the reference; TF32 would cost ~1e-3 accuracy."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def strides(*tensors: torch.Tensor, dims: int) -> list[int]:
+    """The leading ``dims`` strides of each tensor in turn: a launch's stride arguments (the
+    last dimension's, 1, is left out; callers check it)."""
+    return [stride for tensor in tensors for stride in tensor.stride()[:dims]]

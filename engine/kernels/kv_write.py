@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llmpool.engine.kernels.common import strides
 from llmpool.engine.models.quantization import FP8_DTYPE, FP8_MAX, check_kv_scales
 
 
@@ -122,16 +123,8 @@ def write_kv(
         slot_mapping,
         1.0 / k_scale,
         1.0 / v_scale,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *strides(key, value, dims=2),
+        *strides(key_cache, value_cache, dims=3),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),

@@ -15,15 +15,14 @@ A row is in at most one group, so no two programs write the same element: no ato
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from llmpool.engine.kernels.common import dot_precision, matmul_dtype
-from llmpool.engine.lora.ops import LoraBatch
+from llmpool.engine.kernels.common import dot_precision, matmul_dtype, strides
+from llmpool.engine.lora.ops import LoraBatch, LoraWeights
 
 # tl.dot needs at least 16 rows, columns and reduction length.
 _MIN_DOT = 16
@@ -177,18 +176,13 @@ def _expand_kernel(
 
 
 def lora_add(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: Sequence[torch.Tensor],
-    offsets: Sequence[int],
-    plan: TritonLoraPlan,
+    out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, plan: TritonLoraPlan
 ) -> None:
     """``out[t, off_j : off_j + out_j] += scale · (x[t] · A[slot, jR:(j+1)R]ᵀ) · B_j[slot]ᵀ``
-    for every row ``t`` of a group; ``a`` is ``[S, len(b) · R, in]``, each ``b[j]``
-    ``[S, out_j, R]``, as in the torch reference."""
+    for every row ``t`` of a group (``LoraWeights``), as in the torch reference."""
     if plan.num_rows == 0:
         return
+    a, b, offsets = weights.a, weights.b, weights.offsets
     if x.stride(-1) != 1 or out.stride(-1) != 1 or a.stride(-1) != 1:
         raise ValueError("lora_add needs the feature dimension of x, out and A to be contiguous")
     parts_r = a.shape[1]
@@ -206,8 +200,7 @@ def lora_add(
         plan.group_starts,
         x.shape[1],
         x.stride(0),
-        a.stride(0),
-        a.stride(1),
+        *strides(a, dims=2),
         shrunk.stride(0),
         PARTS_R=parts_r,
         PARTS_R_PAD=max(_MIN_DOT, triton.next_power_of_2(parts_r)),
@@ -232,8 +225,7 @@ def lora_add(
             j * rank,
             offset,
             shrunk.stride(0),
-            b_j.stride(0),
-            b_j.stride(1),
+            *strides(b_j, dims=2),
             out.stride(0),
             RANK=rank,
             RANK_PAD=max(_MIN_DOT, triton.next_power_of_2(rank)),

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from llmpool.engine.attention.metadata import AttentionMetadata
-from llmpool.engine.kernels.common import dot_precision, matmul_dtype
+from llmpool.engine.kernels.common import dot_precision, matmul_dtype, strides
 from llmpool.engine.models.quantization import check_kv_scales
 
 # tl.dot needs at least 16 rows; more rows per tile reuse each loaded K/V tile for more
@@ -327,16 +327,9 @@ def paged_attention(
         meta.num_seqs,
         num_tokens,
         num_heads,
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
+        *strides(query, dims=2),
+        *strides(key_cache, value_cache, dims=3),
+        *strides(out, dims=2),
         meta.block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv,
         QUERIES_PER_KV_PAD=queries_per_kv_pad,
@@ -357,8 +350,7 @@ def paged_attention(
             num_tokens,
             num_heads,
             num_splits,
-            out.stride(0),
-            out.stride(1),
+            *strides(out, dims=2),
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,

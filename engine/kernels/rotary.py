@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmpool.engine.kernels.common import strides
+
 
 @triton.jit
 def _rotate_heads(
@@ -103,14 +105,7 @@ def rotary_embedding(
         query_out,
         key_out,
         cos_sin_cache,
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        query_out.stride(0),
-        query_out.stride(1),
-        key_out.stride(0),
-        key_out.stride(1),
+        *strides(query, key, query_out, key_out, dims=2),
         cos_sin_cache.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,

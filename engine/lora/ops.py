@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmpool.engine.models.linear import linear
+from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice, linear
 
 if TYPE_CHECKING:
     from llmpool.engine.attention import Backend
@@ -35,6 +35,18 @@ class LoraBatch:
     group_slots: torch.Tensor  # int64 [G]: each group's slot
     group_starts: torch.Tensor  # int64 [G + 1]: where each group starts in sorted_tokens
     max_group_len: int
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One fused module's adapter slots, as every backend's ``lora_add`` takes them: ``a``
+    ``[S, len(b) · R, in]``, each ``b[j]`` ``[S, out_j, R]`` (the manager lays it out as
+    ``[out_j, S, R]`` in memory, so that it is one ``[out_j, S · R]`` weight without a copy), and
+    where each part's outputs start in the module's output."""
+
+    a: torch.Tensor
+    b: Sequence[torch.Tensor]
+    offsets: Sequence[int]
 
 
 # From this many rows in the step's largest group (prefill chunks), the torch path multiplies
@@ -70,41 +82,39 @@ def torch_lora_plan(batch: LoraBatch, scaling: torch.Tensor) -> TorchLoraPlan:
 def torch_lora_add(
     out: torch.Tensor,
     x: torch.Tensor,
-    a: torch.Tensor,
-    b: Sequence[torch.Tensor],
-    offsets: Sequence[int],
+    weights: LoraWeights,
     plan: TorchLoraPlan,
+    gemm: GemmChoice = TORCH_GEMMS,
 ) -> None:
     """``out[t, off_j : off_j + out_j] += scale · (x[t] · A[slot, jR:(j+1)R]ᵀ) · B_j[slot]ᵀ``
-    for every row ``t`` with an adapter; ``a`` is ``[S, len(b) · R, in]``, each ``b[j]``
-    ``[S, out_j, R]`` (the manager lays it out as ``[out_j, S, R]`` in memory, so that it is one
-    ``[out_j, S · R]`` weight without a copy)."""
+    for every row ``t`` with an adapter (:class:`LoraWeights`); ``gemm``: the model's GEMM
+    choice."""
     if plan.groups is not None:
-        _add_by_group(out, x, a, b, offsets, plan, plan.groups)
+        _add_by_group(out, x, weights, plan, plan.groups)
         return
     assert plan.own_slot is not None
+    a, b, offsets = weights.a, weights.b, weights.offsets
     num_slots, parts_rank, in_features = a.shape
     num_rows, num_parts = x.shape[0], len(b)
     rank = parts_rank // num_parts
-    shrunk = linear(x, a.view(num_slots * parts_rank, in_features))
+    shrunk = linear(x, a.view(num_slots * parts_rank, in_features), gemm=gemm)
     # Each row keeps its own slot's values, times its scale (exact for the power-of-two
     # alpha/r of usual adapters; otherwise it differs from scaling B's output by rounding).
     mine = shrunk.view(num_rows, num_slots, num_parts, rank) * plan.own_slot.to(x.dtype)
     for j, (b_j, offset) in enumerate(zip(b, offsets, strict=True)):
         weight = b_j.permute(1, 0, 2).reshape(b_j.shape[1], num_slots * rank)
         part = mine[:, :, j, :].reshape(num_rows, num_slots * rank)
-        out[:, offset : offset + b_j.shape[1]] += linear(part, weight)
+        out[:, offset : offset + b_j.shape[1]] += linear(part, weight, gemm=gemm)
 
 
 def _add_by_group(
     out: torch.Tensor,
     x: torch.Tensor,
-    a: torch.Tensor,
-    b: Sequence[torch.Tensor],
-    offsets: Sequence[int],
+    weights: LoraWeights,
     plan: TorchLoraPlan,
     groups: tuple[tuple[int, int, int], ...],
 ) -> None:
+    a, b, offsets = weights.a, weights.b, weights.offsets
     rows = plan.sorted_tokens
     grouped_x = x.index_select(0, rows)
     scale = plan.row_scale.index_select(0, rows).to(out.dtype)
@@ -155,6 +165,5 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, layer: int, module: int) -> Non
     if step is None:
         return
     stacks = step.stacks
-    step.backend.lora_add(
-        out, x, stacks.a[layer][module], stacks.b[layer][module], stacks.offsets[module], step.plan
-    )
+    weights = LoraWeights(stacks.a[layer][module], stacks.b[layer][module], stacks.offsets[module])
+    step.backend.lora_add(out, x, weights, step.plan)

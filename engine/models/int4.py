@@ -12,20 +12,25 @@ perplexity 1.50x and greedy agreement 0.24 (tests/test_quantization.py's text an
 The codes are kept in the byte layout of ``torch.ops.aten._weight_int4pack_mm_for_cpu``, which
 :func:`pack_int4` writes with plain tensor ops (``_convert_weight_to_int4pack_for_cpu`` writes
 the same bytes, and a test checks that). That layout follows the vector width torch's CPU
-kernels were dispatched for (:func:`pack_block_n`), so packed weights are made in the process
+kernels were dispatched for (:func:`probe_pack_block_n`), so packed weights are made in the process
 that runs them, never stored. :func:`dequantize_int4` reads that layout back, so devices
 without the kernel (CUDA, older torch) and the tests compute from the same bytes.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from llmpool.engine.models import vnni_gemm
+from llmpool.engine.kernels import vnni_gemm
+
+if TYPE_CHECKING:  # the capabilities probe this module's layout
+    from llmpool.engine.kernels.capabilities import KernelCapabilities
 
 INT4_GROUP_SIZE = 32
-# The CPU kernel's layout: output channels in blocks of N (pack_block_n); per block and input
+# The CPU kernel's layout: output channels in blocks of N (probe_pack_block_n); per block and input
 # column k, byte j holds channel j in its low nibble and channel N/2 + j in its high nibble.
 # Output features are a multiple of the largest block, so that a layer packs on any CPU.
 PACK_BLOCK_SIZES = (64, 32)
@@ -38,28 +43,18 @@ INT4_MID_CODE = 8
 INT4_VNNI_MAX_ROWS = 2
 
 
-def cpu_kernel_available() -> bool:
+def torch_has_int4_cpu_kernel() -> bool:
+    """Whether this torch has its packed int4 CPU kernel (``_weight_int4pack_mm_for_cpu``)."""
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-# Set by the first pack_block_n(): a settled module global, which a compiled forward reads
-# without tracing the probe (dynamo would trace into a cached function and break its graph).
-_pack_block_n: int | None = None
-
-
-def pack_block_n() -> int:
+def probe_pack_block_n() -> int:
     """Output channels per block of torch's packed layout: 64 where its CPU kernels run with
     AVX-512, 32 with AVX2 (``vec::Vectorized<float>::size() * 4``), found by packing a probe
-    with torch's own converter; 64 where torch has none (only this module reads the bytes)."""
-    global _pack_block_n
-    if _pack_block_n is None:
-        _pack_block_n = _probe_pack_block_n()
-    return _pack_block_n
-
-
-def _probe_pack_block_n() -> int:
+    with torch's own converter; 64 where torch has none (only this module reads the bytes).
+    Probed once per engine (``KernelCapabilities.int4_pack_block``)."""
     converter = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
-    if converter is None or not cpu_kernel_available():
+    if converter is None or not torch_has_int4_cpu_kernel():
         return INT4_OUT_MULTIPLE
     codes = torch.randint(
         0,
@@ -70,7 +65,7 @@ def _probe_pack_block_n() -> int:
     )
     converted = converter(codes, 1)
     for block in PACK_BLOCK_SIZES:
-        if torch.equal(_pack(codes, block), converted):
+        if torch.equal(pack_int4(codes, block), converted):
             return block
     raise RuntimeError("torch's int4 CPU layout is none this module knows")
 
@@ -104,19 +99,16 @@ def quantize_groups_int4(
     return codes, scales_and_zeros.to(torch.bfloat16)
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` codes to the kernel's ``[N, K / 2]`` bytes (see :func:`pack_block_n`)."""
-    return _pack(codes, pack_block_n())
-
-
-def _pack(codes: torch.Tensor, block: int) -> torch.Tensor:
+def pack_int4(codes: torch.Tensor, block: int) -> torch.Tensor:
+    """``[N, K]`` codes to the kernel's ``[N, K / 2]`` bytes, in output blocks of ``block``
+    (:func:`probe_pack_block_n`)."""
     out_features, in_features = codes.shape
     blocks = codes.to(torch.uint8).reshape(-1, 2, block // 2, in_features)
     packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N / block, block / 2, K]
     return packed.transpose(1, 2).contiguous().reshape(out_features, in_features // 2)
 
 
-def unpack_int4_transposed(packed: torch.Tensor) -> torch.Tensor:
+def unpack_int4_transposed(packed: torch.Tensor, block: int) -> torch.Tensor:
     """The inverse of :func:`pack_int4`, transposed: ``[K, N]`` codes (uint8).
 
     Transposed because that order needs one copy of the bytes: in the kernel's layout the
@@ -124,18 +116,21 @@ def unpack_int4_transposed(packed: torch.Tensor) -> torch.Tensor:
     """
     out_features, half_in = packed.shape
     in_features = 2 * half_in
-    half_block = pack_block_n() // 2
+    half_block = block // 2
     by_column = packed.reshape(-1, in_features, half_block).transpose(0, 1)  # [K, N/block, b/2]
     codes = torch.stack([by_column & 0xF, by_column >> 4], dim=2)  # [K, N/block, 2, b/2]
     return codes.reshape(in_features, out_features)
 
 
 def dequantize_int4(
-    packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    block: int,
+    group_size: int = INT4_GROUP_SIZE,
 ) -> torch.Tensor:
     """The float32 ``[N, K]`` weight the packed codes stand for (a transposed view): the
     reference path, ``code * scale + (zero - 8 * scale)``."""
-    codes = unpack_int4_transposed(packed)
+    codes = unpack_int4_transposed(packed, block)
     in_features, out_features = codes.shape
     scale, zero = scales_and_zeros.float().unbind(dim=2)  # [K / group, N] each
     offset = zero - INT4_MID_CODE * scale
@@ -168,6 +163,7 @@ class Int4Linear(nn.Module):
         weight: torch.Tensor,
         scales_and_zeros: torch.Tensor,
         bias: torch.Tensor | None,
+        kernels: KernelCapabilities,
         group_size: int = INT4_GROUP_SIZE,
     ) -> None:
         super().__init__()
@@ -175,25 +171,39 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales_and_zeros_bits", scales_and_zeros.view(torch.int16))
         self.register_buffer("bias", bias)
+        self.use_kernels(kernels)
+
+    def use_kernels(self, kernels: KernelCapabilities) -> None:
+        """Plain attributes that a compiled forward reads without tracing a probe: the packed
+        layout's block, whether torch's kernel exists, whether decodes run ``vnni_gemm``."""
+        self.pack_block = kernels.int4_pack_block
+        self.torch_kernel = kernels.torch_int4
+        self.vnni_decodes = (
+            kernels.vnni_gemm
+            and self.group_size == vnni_gemm.INT4_GROUP
+            and self.pack_block == vnni_gemm.INT4_BLOCK
+        )
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelCapabilities
+    ) -> Int4Linear:
         codes, scales_and_zeros = quantize_groups_int4(weight)
         bias = None if bias is None else bias.detach().clone()
-        return cls(pack_int4(codes), scales_and_zeros, bias)
+        return cls(pack_int4(codes, kernels.int4_pack_block), scales_and_zeros, bias, kernels)
 
     @property
     def scales_and_zeros(self) -> torch.Tensor:
         return self.scales_and_zeros_bits.view(torch.bfloat16)
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_int4(self.weight, self.scales_and_zeros, self.group_size)
+        return dequantize_int4(self.weight, self.scales_and_zeros, self.pack_block, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if x.device.type == "cpu" and self._runs_vnni(rows):
+        if x.device.type == "cpu" and self.vnni_decodes and rows.shape[0] <= INT4_VNNI_MAX_ROWS:
             out = vnni_gemm.int4_op(rows, self.weight, self.scales_and_zeros_bits)
-        elif x.device.type == "cpu" and cpu_kernel_available():
+        elif x.device.type == "cpu" and self.torch_kernel:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows.to(torch.bfloat16), self.weight, self.group_size, self.scales_and_zeros
             )
@@ -201,12 +211,3 @@ class Int4Linear(nn.Module):
             out = nn.functional.linear(rows, self.dequantize().to(x.dtype))
         out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
         return out if self.bias is None else out + self.bias
-
-    def _runs_vnni(self, rows: torch.Tensor) -> bool:
-        """Whether ``vnni_gemm``'s kernel multiplies these rows (decodes, where it is built)."""
-        return (
-            rows.shape[0] <= INT4_VNNI_MAX_ROWS
-            and self.group_size == vnni_gemm.INT4_GROUP
-            and vnni_gemm.enabled()
-            and pack_block_n() == vnni_gemm.INT4_BLOCK
-        )

@@ -5,7 +5,7 @@ Three choices, each exact up to summation order:
 - float32, few rows: ``W·xᵀ`` instead of ``x·Wᵀ`` (``CPU_TRANSPOSED_MAX_ROWS``).
 - bfloat16, up to ``BFLOAT16_KERNEL_MAX_ROWS`` rows: the C kernel of ``bf16_gemm``, which reads
   the bfloat16 weight and multiplies in float32, on CPUs where it outruns oneDNN
-  (``probe_bfloat16_kernel``).
+  (``probe_bfloat16_kernel``, once per engine: :class:`GemmChoice`).
 - bfloat16, more rows: the GEMM in float32 on the upcast operands, on CPUs whose float32 GEMM
   outruns their bfloat16 one (``probe_bfloat16_upcast``). A product of two bfloat16 values is
   exact in float32 and oneDNN's bfloat16 GEMM accumulates in float32 too, so only the
@@ -17,11 +17,16 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from llmpool.engine.models import bf16_gemm
+from llmpool.engine.kernels import bf16_gemm
+
+if TYPE_CHECKING:  # the capabilities hold a GemmChoice
+    from llmpool.engine.kernels.capabilities import KernelCapabilities
 
 # Up to this many rows, W·xᵀ beats x·Wᵀ in float32 on CPU (MKL on 2 threads, SmolLM2's layer
 # shapes: 1.9x at 16 rows, 1.1x at 64, slower from about 96 rows, where prefill batches live).
@@ -46,35 +51,23 @@ BFLOAT16_KERNEL_MAX_ROWS = 128
 BFLOAT16_KERNEL_PROBE_ROWS = 16
 BFLOAT16_KERNEL_MIN_SPEEDUP = 1.1
 
-_bfloat16_upcast_min_rows: int | None = None
-_bfloat16_kernel_max_rows: int | None = None
 
+@dataclass(frozen=True)
+class GemmChoice:
+    """Which bfloat16 GEMMs run where on this CPU, probed once per engine
+    (``kernels.capabilities``) and held by every layer that calls :func:`linear`; the default
+    is torch's own GEMMs throughout.
 
-def set_bfloat16_upcast(min_rows: int | None) -> None:
-    """Compute bfloat16 GEMMs of at least ``min_rows`` rows in float32 on CPU (None: never).
-
-    Process-wide, as the CPU it describes; the engine sets it from ``probe_bfloat16_upcast``
-    before it compiles or serves.
+    ``bfloat16_kernel_max_rows``: GEMMs of at most this many rows run in ``bf16_gemm`` (None:
+    never). ``bfloat16_upcast_min_rows``: GEMMs of at least this many rows run in float32 on the
+    upcast operands (None: never).
     """
-    global _bfloat16_upcast_min_rows
-    _bfloat16_upcast_min_rows = min_rows
+
+    bfloat16_kernel_max_rows: int | None = None
+    bfloat16_upcast_min_rows: int | None = None
 
 
-def bfloat16_upcast_min_rows() -> int | None:
-    return _bfloat16_upcast_min_rows
-
-
-def set_bfloat16_kernel(max_rows: int | None) -> None:
-    """Run bfloat16 GEMMs of at most ``max_rows`` rows on CPU in ``bf16_gemm`` (None: never).
-
-    Process-wide, like ``set_bfloat16_upcast``.
-    """
-    global _bfloat16_kernel_max_rows
-    _bfloat16_kernel_max_rows = max_rows
-
-
-def bfloat16_kernel_max_rows() -> int | None:
-    return _bfloat16_kernel_max_rows
+TORCH_GEMMS = GemmChoice()
 
 
 def _speedup(native: Callable[[], object], candidate: Callable[[], object], repeats: int) -> float:
@@ -122,8 +115,13 @@ def _upcast_linear(
     return out.to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``.
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gemm: GemmChoice = TORCH_GEMMS,
+) -> torch.Tensor:
+    """``x @ weight.T + bias``, bfloat16 on CPU as ``gemm`` says.
 
     Decode batches are a few rows against a large weight. On one thread both orientations take
     the same time; on two, MKL's split of x·Wᵀ with few rows barely gains, while W·xᵀ has the
@@ -132,11 +130,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or x.dim() != 2:
         return nn.functional.linear(x, weight, bias)
     if x.dtype == torch.bfloat16:
-        max_rows = _bfloat16_kernel_max_rows
+        max_rows = gemm.bfloat16_kernel_max_rows
         if max_rows is not None and x.shape[0] <= max_rows:
             out = bf16_gemm.linear(x, weight)
             return out if bias is None else out + bias
-        min_rows = _bfloat16_upcast_min_rows
+        min_rows = gemm.bfloat16_upcast_min_rows
         if min_rows is not None and x.shape[0] >= min_rows:
             return _upcast_linear(x, weight, bias)
         return nn.functional.linear(x, weight, bias)
@@ -147,7 +145,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` computed by :func:`linear`."""
+    """``nn.Linear`` computed by :func:`linear`, with the engine's :class:`GemmChoice` (a plain
+    attribute fixed at construction, which a compiled forward reads without tracing a probe)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, gemm: GemmChoice = TORCH_GEMMS
+    ) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.gemm = gemm
+
+    def use_kernels(self, kernels: KernelCapabilities) -> None:
+        self.gemm = kernels.gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.gemm)

@@ -13,9 +13,12 @@ from llmpool.engine.attention import AttentionMetadata, Backend
 from llmpool.engine.attention.step import layer_attention, step_attention
 from llmpool.engine.lora import DOWN, GATE_UP, O_PROJ, QKV
 from llmpool.engine.lora.ops import LoraBatch, lora_add, step_lora
-from llmpool.engine.models.linear import Linear, linear
+from llmpool.engine.models.int4 import Int4Linear
+from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice, Linear, linear
+from llmpool.engine.models.quantization import Int8Linear
 
 if TYPE_CHECKING:
+    from llmpool.engine.kernels.capabilities import KernelCapabilities
     from llmpool.engine.lora.manager import LoraStacks
 
 
@@ -104,7 +107,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, shape: LlamaShape, index: int) -> None:
+    def __init__(self, shape: LlamaShape, index: int, gemm: GemmChoice) -> None:
         super().__init__()
         self.shape = shape
         self.index = index
@@ -113,11 +116,15 @@ class LlamaLayer(nn.Module):
         q_size = shape.num_heads * shape.head_dim
         kv_size = shape.num_kv_heads * shape.head_dim
         self.input_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
-        self.qkv_proj = Linear(shape.hidden_size, q_size + 2 * kv_size, bias=shape.qkv_bias)
-        self.o_proj = Linear(q_size, shape.hidden_size, bias=False)
+        self.qkv_proj = Linear(
+            shape.hidden_size, q_size + 2 * kv_size, bias=shape.qkv_bias, gemm=gemm
+        )
+        self.o_proj = Linear(q_size, shape.hidden_size, bias=False, gemm=gemm)
         self.post_attention_layernorm = nn.Parameter(torch.ones(shape.hidden_size))
-        self.gate_up_proj = Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
-        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.gate_up_proj = Linear(
+            shape.hidden_size, 2 * shape.intermediate_size, bias=False, gemm=gemm
+        )
+        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size, bias=False, gemm=gemm)
         self.split_sizes = [q_size, kv_size, kv_size]
         self.scale = shape.head_dim**-0.5
         # Per-tensor scales of an fp8 KV cache: it stores K / k_scale (quantization.quantize_fp8).
@@ -177,12 +184,20 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head over a flat batch of tokens."""
 
-    def __init__(self, shape: LlamaShape, backend: Backend, max_positions: int) -> None:
+    def __init__(
+        self,
+        shape: LlamaShape,
+        backend: Backend,
+        max_positions: int,
+        gemm: GemmChoice = TORCH_GEMMS,
+    ) -> None:
+        """``gemm``: the engine's bfloat16 GEMM choice (``kernels.capabilities``)."""
         super().__init__()
         self.shape = shape
         self.backend = backend
+        self.gemm = gemm
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(shape, i) for i in range(shape.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(shape, i, gemm) for i in range(shape.num_layers))
         self.lora_stacks: LoraStacks | None = None
         self.norm = nn.Parameter(torch.ones(shape.hidden_size))
         if shape.tie_word_embeddings:
@@ -204,6 +219,15 @@ class LlamaForCausalLM(nn.Module):
         rows that run with an adapter (None: all run the base model)."""
         with step_attention(self.backend, meta), step_lora(self.backend, self.lora_stacks, lora):
             return self.decoder(input_ids, positions, kv_caches)
+
+    def use_kernels(self, kernels: KernelCapabilities) -> None:
+        """Switch every layer to ``kernels``, for eager forwards (a compiled decoder keeps what
+        it traced): the engine builds with its own; benchmarks measure one choice against
+        another in one process."""
+        self.gemm = kernels.gemm
+        for module in self.modules():
+            if isinstance(module, Linear | Int8Linear | Int4Linear):
+                module.use_kernels(kernels)
 
     def enable_lora(self, stacks: LoraStacks) -> None:
         """Add the adapters of ``stacks``' slots to every projection, per row group."""
@@ -279,4 +303,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, nn.Module):  # quantized
             return self.lm_head(hidden).float()
-        return linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, gemm=self.gemm).float()

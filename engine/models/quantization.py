@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from llmpool.engine.models import vnni_gemm
+from llmpool.engine.kernels import vnni_gemm
 from llmpool.engine.models.int4 import Int4Linear
 
 if TYPE_CHECKING:  # llama imports the attention backends, which import this module
+    from llmpool.engine.kernels.capabilities import KernelCapabilities
     from llmpool.engine.models.llama import LlamaForCausalLM
 
 INT8_MAX = 127
@@ -85,14 +86,23 @@ class Int8Linear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(
-        self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: KernelCapabilities,
     ) -> None:
         super().__init__()
+        self.use_kernels(kernels)
         self.register_buffer("weight", weight)
         self.register_buffer("weight_sums", vnni_gemm.weight_sums(weight))
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
         self._refresh_kernel_scales()
+
+    def use_kernels(self, kernels: KernelCapabilities) -> None:
+        """Whether decodes run the VNNI kernel: a plain attribute, read without tracing a probe."""
+        self.vnni = kernels.vnni_gemm
 
     def _refresh_kernel_scales(self) -> None:
         """The scales in the kernels' dtypes (bfloat16 for torch's, float32 for the VNNI one),
@@ -110,14 +120,16 @@ class Int8Linear(nn.Module):
         return self
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelCapabilities
+    ) -> Int8Linear:
         quantized, scale = quantize_rows_int8(weight)
-        return cls(quantized, scale, None if bias is None else bias.detach().clone())
+        return cls(quantized, scale, None if bias is None else bias.detach().clone(), kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
             rows = x.reshape(-1, x.shape[-1])
-            if vnni_gemm.enabled() and rows.shape[0] <= INT8_VNNI_MAX_ROWS:
+            if self.vnni and rows.shape[0] <= INT8_VNNI_MAX_ROWS:
                 out = vnni_gemm.int8_op(rows, self.weight, self.weight_sums, self.float_scale)
             elif rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
                 bf16 = torch.bfloat16
@@ -147,14 +159,17 @@ class Int8Embedding(nn.Module):
         return rows.to(scale.dtype) * scale[:, None]
 
 
-LAYER_QUANTIZERS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], nn.Module]] = {
+LAYER_QUANTIZERS: dict[
+    str, Callable[[torch.Tensor, torch.Tensor | None, KernelCapabilities], nn.Module]
+] = {
     "int8": Int8Linear.from_float,
     "int4": Int4Linear.from_float,
 }
 
 
-def quantize(model: LlamaForCausalLM, quantization: str) -> None:
-    """Quantize the model's weights in place as ``--quantization`` says (``none``: leave them).
+def quantize(model: LlamaForCausalLM, quantization: str, kernels: KernelCapabilities) -> None:
+    """Quantize the model's weights in place as ``--quantization`` says (``none``: leave them),
+    the layers running the engine's ``kernels``.
 
     Every Linear of the decoder layers becomes an int8 or int4 one. The embeddings and the LM
     head are int8 under both, as llama.cpp's Q4_1 files keep them at 8 bits (Q8_0), and a tied
@@ -163,18 +178,17 @@ def quantize(model: LlamaForCausalLM, quantization: str) -> None:
     """
     if quantization == "none":
         return
-    vnni_gemm.enabled()  # settled (and built) now, not while a compiled forward traces it
     layer_quantizer = LAYER_QUANTIZERS[quantization]
     for layer in model.layers:
         for name, child in list(layer.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(layer, name, layer_quantizer(child.weight, child.bias))
+                setattr(layer, name, layer_quantizer(child.weight, child.bias, kernels))
     embedding_weight, embedding_scale = quantize_rows_int8(model.embed_tokens.weight)
     model.embed_tokens = Int8Embedding(embedding_weight, embedding_scale)  # type: ignore[assignment]
     if model.shape.tie_word_embeddings:
-        lm_head = Int8Linear(embedding_weight, embedding_scale, None)
+        lm_head = Int8Linear(embedding_weight, embedding_scale, None, kernels)
     else:
-        lm_head = Int8Linear.from_float(model.lm_head)
+        lm_head = Int8Linear.from_float(model.lm_head, None, kernels)
     del model.lm_head  # a parameter until now; a module cannot take its name while it exists
     model.lm_head = lm_head  # type: ignore[assignment]
 

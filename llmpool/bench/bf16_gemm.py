@@ -9,7 +9,7 @@ Two measurements, each alternating between the ways in one process:
   weight bandwidth and GFLOP/s of each and the largest difference from the float32 product;
 - the engine's whole eager bfloat16 step with ``--concurrency`` requests of 40-700-token prompts
   decoding, rounds of steps alternating between the kernel on and off (the choice is
-  process-wide: ``linear.set_bfloat16_kernel``).
+  one engine: ``kernel_up_to``).
 
     python benchmarks/bf16_gemm.py --rows 1 4 16 64 128 256 512 --concurrency 1 16 64
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
 from llmpool.bench.steps import alternate_steps, gemm_ms, gemm_weights
 from llmpool.engine import LLM
-from llmpool.engine.models import bf16_gemm, linear
+from llmpool.engine.kernels import bf16_gemm
+from llmpool.engine.models import linear
 
 
 def upcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -65,13 +67,20 @@ def step_gemms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str,
     }
 
 
+def kernel_up_to(llm: LLM, max_rows: int | None) -> None:
+    """Run bfloat16 GEMMs of up to ``max_rows`` rows in the kernel (None: never)."""
+    kernels = llm.engine.kernels
+    gemm = replace(kernels.gemm, bfloat16_kernel_max_rows=max_rows)
+    llm.engine.model.use_kernels(replace(kernels, gemm=gemm))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64, 128, 256, 512])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    if not bf16_gemm.available():
+    if not bf16_gemm.KERNEL.available:
         raise SystemExit("the bf16_gemm kernel is not built here (it needs AVX-512 and gcc)")
 
     llm = build_in_ended_thread(lambda: LLM(dtype="bfloat16", enable_prefix_caching=False))
@@ -88,8 +97,8 @@ def main() -> None:
             args.concurrency,
             args.rounds,
             {
-                "kernel": lambda: linear.set_bfloat16_kernel(linear.BFLOAT16_KERNEL_MAX_ROWS),
-                "torch": lambda: linear.set_bfloat16_kernel(None),
+                "kernel": lambda: kernel_up_to(llm, linear.BFLOAT16_KERNEL_MAX_ROWS),
+                "torch": lambda: kernel_up_to(llm, None),
             },
         ),
     }

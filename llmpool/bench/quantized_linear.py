@@ -32,6 +32,7 @@ from llmpool.bench.results import RESULTS, script_command, write_json
 from llmpool.engine import SamplingParams
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
+from llmpool.engine.kernels.capabilities import probe_kernels
 from llmpool.engine.models.int4 import Int4Linear
 from llmpool.engine.models.linear import Linear
 from llmpool.engine.models.quantization import Int8Linear, weight_bytes
@@ -51,6 +52,7 @@ QUANTIZATIONS = ("none", "int8", "int4")
 # decode step, layers at Q4_1 (66,355,200) and the tied token embedding / head at Q8_0
 # (30,081,024), norms F32 (140,544): read from the file with gguf.GGUFReader.
 LLAMA_CPP_Q4_1_STEP_BYTES = 96_576_768
+KERNELS = probe_kernels(torch.device("cpu"))
 
 
 def min_time(function: Callable[[], object], inner: int) -> float:
@@ -62,9 +64,9 @@ def min_time(function: Callable[[], object], inner: int) -> float:
 
 def make_layer(quantization: str, weight: torch.Tensor, name: str) -> nn.Module:
     if quantization == "int8" or (quantization == "int4" and name == "lm_head"):
-        return Int8Linear.from_float(weight)
+        return Int8Linear.from_float(weight, None, KERNELS)
     if quantization == "int4":
-        return Int4Linear.from_float(weight)
+        return Int4Linear.from_float(weight, None, KERNELS)
     layer = Linear(weight.shape[1], weight.shape[0], bias=False)
     layer.weight.data.copy_(weight)
     return layer

@@ -10,7 +10,7 @@ Two measurements, each alternating between the ways in one process:
   VNNI kernel; with the weight bandwidth of each;
 - the engine's whole eager bfloat16 step with ``--concurrency`` requests decoding under int8 and
   int4 (whose LM head is int8), rounds of steps alternating between the kernels on and off
-  (``vnni_gemm.set_enabled``).
+  (``LlamaForCausalLM.use_kernels``).
 
     python benchmarks/vnni_gemm.py --rows 1 2 4 16 --concurrency 1 2 16
 
@@ -20,7 +20,9 @@ Writes ``benchmarks/results/vnni_gemm.json`` with the CPU model.
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,7 +31,7 @@ from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
 from llmpool.bench.steps import alternate_steps, gemm_ms
 from llmpool.engine import LLM
-from llmpool.engine.models import vnni_gemm
+from llmpool.engine.kernels import vnni_gemm
 from llmpool.engine.models.int4 import INT4_GROUP_SIZE, Int4Linear
 from llmpool.engine.models.quantization import Int8Linear, int8_split_matmul
 
@@ -93,12 +95,8 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 16])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    if not vnni_gemm.available():
+    if not vnni_gemm.KERNEL.available:
         raise SystemExit("the vnni_gemm kernels are not built here (AVX-512 VNNI and VBMI, gcc)")
-    choices = {
-        "kernel": lambda: vnni_gemm.set_enabled(True),
-        "torch": lambda: vnni_gemm.set_enabled(False),
-    }
     report: dict[str, Any] = {"threads": torch.get_num_threads()}
     for quantization, ways in (("int8", INT8_WAYS), ("int4", INT4_WAYS)):
         llm = build(quantization)
@@ -107,6 +105,11 @@ def main() -> None:
             gemms.append(step_gemms(quantized_layers(llm), ways, rows, args.rounds))
             print(f"{quantization} gemms: {gemms[-1]}", flush=True)
         report[f"{quantization}_step_gemms"] = gemms
+        use, kernels = llm.engine.model.use_kernels, llm.engine.kernels
+        choices = {
+            "kernel": functools.partial(use, kernels),
+            "torch": functools.partial(use, replace(kernels, vnni_gemm=False)),
+        }
         steps = alternate_steps(llm, args.concurrency, args.rounds, choices)
         report[f"{quantization}_step_eager"] = steps
         del llm

@@ -181,8 +181,8 @@ def test_the_c_kernels_for_every_cpu_build_from_the_installed_wheel() -> None:
     """Decode attention and LoRA's kernels (built for whatever the CPU has) compile in a pod-like
     container from the sources the wheel installed, into the writable /tmp."""
     script = (
-        "from llmpool.engine.attention import cpu_backend; from llmpool.engine.lora import"
-        " cpu_kernel; print(cpu_backend.available(), cpu_kernel.available())"
+        "from llmpool.engine.kernels import cpu_decode, cpu_lora;"
+        " print(cpu_decode.KERNEL.available, cpu_lora.KERNEL.available)"
     )
     python = "/opt/llmpool/venv/bin/python3"
     result = docker("run", "--rm", *POD_LIKE, "--entrypoint", python, IMAGE, "-c", script)

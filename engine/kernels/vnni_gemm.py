@@ -12,20 +12,13 @@ batch size, and the int4 kernel is ~50x closer to the dequantized product than t
 from __future__ import annotations
 
 import ctypes
-import functools
-from pathlib import Path
 
 import torch
 
-from llmpool.engine import cpu_kernels
 from llmpool.engine.cpu_features import cpu_flags
+from llmpool.engine.kernels.c_loader import AVX512_BUILD, CKernel, avx512_only
 
-SOURCE = Path(__file__).with_name("vnni_gemm.c")
-SIGNATURES = {
-    "int8_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3,
-    "int4_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
-}
-VNNI_BUILD = [*cpu_kernels.AVX512_BUILD, "-mavx512vnni", "-mavx512vbmi"]
+VNNI_BUILD = [*AVX512_BUILD, "-mavx512vnni", "-mavx512vbmi"]
 # vpdpbusd adds unsigned by signed byte products: the int8 kernel stores x's parts plus this
 # bias and takes off the bias times each weight row's sum.
 PART_BIAS = 128
@@ -33,48 +26,22 @@ PART_BIAS = 128
 INT4_GROUP = 32
 INT4_BLOCK = 64
 
-# Whether quantized layers call the kernels; None until the first enabled() decides (and builds).
-_enabled: bool | None = None
 
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The kernels, on CPUs with AVX-512 VNNI and VBMI (their only build)."""
-    if cpu_kernels.arch_flags() != cpu_kernels.AVX512_BUILD:
+def _vnni_build() -> list[str] | None:
+    """The kernels' only build: CPUs with AVX-512 VNNI and VBMI."""
+    if avx512_only() is None or not {"avx512_vnni", "avx512vbmi"} <= cpu_flags():
         return None
-    if not {"avx512_vnni", "avx512vbmi"} <= cpu_flags():
-        return None
-    return cpu_kernels.build(SOURCE, VNNI_BUILD, SIGNATURES)
+    return VNNI_BUILD
 
 
-def available() -> bool:
-    return _library() is not None
-
-
-def enabled() -> bool:
-    """Whether quantized layers call the kernels: where they are built, unless switched off.
-
-    ``quantization.quantize`` calls this before any forward, so that a compiled forward reads a
-    settled flag instead of tracing the build (which would break its graph).
-    """
-    global _enabled
-    if _enabled is None:
-        _enabled = available()
-    return _enabled
-
-
-def set_enabled(enabled: bool) -> None:
-    """Switch the kernels on (where built) or off, process-wide: ``benchmarks/vnni_gemm.py``
-    measures them against torch's kernels this way."""
-    global _enabled
-    _enabled = enabled and available()
-
-
-def _built() -> ctypes.CDLL:
-    library = _library()
-    if library is None:
-        raise RuntimeError("the VNNI GEMM kernels are not built")
-    return library
+KERNEL = CKernel(
+    "vnni_gemm.c",
+    {
+        "int8_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3,
+        "int4_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
+    },
+    _vnni_build,
+)
 
 
 def weight_sums(weight: torch.Tensor) -> torch.Tensor:
@@ -93,7 +60,7 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x @ (weight * scale[:, None]).T`` in float32 for 2-D CPU tensors: ``x`` float32 or
     bfloat16, ``weight`` int8, ``sums`` from :func:`weight_sums`, ``scale`` float32."""
-    library = _built()
+    library = KERNEL.built()
     if weight.dtype != torch.int8 or sums.dtype != torch.int32 or scale.dtype != torch.float32:
         raise ValueError(
             f"int8_linear takes int8 weights, int32 sums and float32 scales, not {weight.dtype},"
@@ -128,7 +95,7 @@ def int4_linear(
     """``x @ dequantize_int4(packed, scales_and_zeros).T`` in float32 for 2-D CPU tensors: ``x``
     float32 or bfloat16, ``packed`` ``[N, K / 2]`` uint8 in torch's layout (``int4.pack_int4``),
     the bfloat16 scales and zeros ``[K / 32, N, 2]`` as their int16 bits."""
-    library = _built()
+    library = KERNEL.built()
     if packed.dtype != torch.uint8 or scales_and_zeros_bits.dtype != torch.int16:
         raise ValueError(
             f"int4_linear takes uint8 codes and int16 scale bits, not {packed.dtype} and"

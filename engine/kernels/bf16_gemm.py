@@ -4,40 +4,26 @@ Decode steps multiply a few rows by every weight. oneDNN's bfloat16 GEMM runs th
 the memory roof on CPUs without AMX; the kernel reads the bfloat16 weight once and multiplies
 in float32 (on this project's 2-core Xeon, a step's GEMMs of SmolLM2: 1.5x at 1 row, 1.7x at 16,
 1.3x at 64 and at 128; ``benchmarks/bf16_gemm.py``). Whether it is used is measured at
-start (``linear.probe_bfloat16_kernel``), as CPUs with AMX may be faster in oneDNN.
+start (``kernels.capabilities``), as CPUs with AMX may be faster in oneDNN.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-from pathlib import Path
 
 import torch
 
-from llmpool.engine import cpu_kernels
+from llmpool.engine.kernels.c_loader import CKernel, avx512_only
 
-SOURCE = Path(__file__).with_name("bf16_gemm.c")
-SIGNATURES = {"bf16_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3}
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The kernel, on CPUs with AVX-512 (its only build)."""
-    if cpu_kernels.arch_flags() != cpu_kernels.AVX512_BUILD:
-        return None
-    return cpu_kernels.build(SOURCE, cpu_kernels.AVX512_BUILD, SIGNATURES)
-
-
-def available() -> bool:
-    return _library() is not None
+# Built on CPUs with AVX-512 only.
+KERNEL = CKernel(
+    "bf16_gemm.c", {"bf16_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3}, avx512_only
+)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for 2-D bfloat16 CPU tensors."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the bfloat16 GEMM kernel is not built")
+    library = KERNEL.built()
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         raise ValueError(f"bf16_linear multiplies bfloat16, not {x.dtype} by {weight.dtype}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:

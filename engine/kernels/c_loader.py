@@ -1,0 +1,162 @@
+"""The one loader of the engine's C kernels: built with the machine's C compiler the first time
+they are needed, then loaded with ctypes.
+
+Each kernel is one C source file in this package, described by a :class:`CKernel`. It is
+compiled with instruction-set flags read from /proc/cpuinfo (never ``-march=native``, which
+fails on some VMs) and cached under ``LLMPOOL_KERNEL_CACHE`` (default:
+``$TMPDIR/llmpool-kernels-<uid>``, the pod's writable /tmp), keyed by everything that changes
+the binary: the source, the flags, the compiler and its version, and the CPU's features.
+Without a compiler, or where the cache cannot hold code (a ``noexec`` mount), the kernel is
+unavailable and the caller keeps its torch path. Kernels parallelize with OpenMP: torch loads
+libgomp under the same soname, so they share torch's thread teams and its thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from llmpool.engine.cpu_features import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+AVX512_BUILD = ["-march=x86-64-v4", "-mprefer-vector-width=512"]
+AVX2_BUILD = ["-march=x86-64-v3"]
+BASE_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
+
+
+def arch_flags() -> list[str]:
+    """The widest x86-64 level this CPU has; none (portable code) elsewhere."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = cpu_flags()
+    if flags >= AVX512_FLAGS:
+        return AVX512_BUILD
+    if {"avx2", "fma", "f16c", "bmi2"} <= flags:
+        return AVX2_BUILD
+    return []
+
+
+def _compiler() -> str | None:
+    return shutil.which("gcc") or shutil.which("cc")
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """The compiler's own description of itself (``gcc --version``'s first line)."""
+    try:
+        described = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    except OSError:
+        return ""
+    return described.stdout.partition("\n")[0]
+
+
+def _cache_dir() -> Path:
+    default = Path(tempfile.gettempdir()) / f"llmpool-kernels-{os.getuid()}"
+    return Path(os.environ.get("LLMPOOL_KERNEL_CACHE", default))
+
+
+def cache_key(source: bytes, flags: Sequence[str], compiler: str, cpu: frozenset[str]) -> str:
+    """What names a build in the cache: a change to any input that changes the binary (the
+    source, the flags, the compiler or its version, the CPU's features) is a new build."""
+    parts = [
+        source,
+        " ".join(flags).encode(),
+        compiler.encode(),
+        _compiler_version(compiler).encode(),
+    ]
+    parts.append(" ".join(sorted(cpu)).encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def build(
+    source: Path, arch: Sequence[str], signatures: Mapping[str, Sequence[type]]
+) -> ctypes.CDLL | None:
+    """Build ``source`` (once per :func:`cache_key`) and load it with ``signatures`` (symbol ->
+    argument types; every kernel returns void); None where that fails (logged)."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    flags = [*BASE_FLAGS, *arch]
+    key = cache_key(source.read_bytes(), flags, compiler, cpu_flags())
+    path = _cache_dir() / f"{source.stem}-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        built = subprocess.run(
+            [compiler, *flags, str(source), "-o", str(partial), "-lm"],
+            capture_output=True,
+            text=True,
+        )
+        if built.returncode != 0:
+            logger.warning("cannot build %s: %s", source.name, built.stderr.strip()[-2000:])
+            return None
+        partial.replace(path)  # atomic: concurrent builders each leave a whole file
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as error:  # e.g. a cache on a noexec mount
+        logger.warning("cannot load %s from %s: %s", source.name, path.parent, error)
+        return None
+    for name, argtypes in signatures.items():
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = list(argtypes)
+    return library
+
+
+class CKernel:
+    """One C source of this package and its symbols, built and loaded once per process.
+
+    ``arch`` gives the build flags for this CPU, or None where the kernel has no build for it
+    (the AVX-512-only kernels). The loaded library is kept: a process loads a ``.so`` once.
+    """
+
+    def __init__(
+        self,
+        source_name: str,
+        signatures: Mapping[str, Sequence[type]],
+        arch: Callable[[], list[str] | None] = arch_flags,
+    ) -> None:
+        self.source = Path(__file__).with_name(source_name)
+        self.signatures = signatures
+        self.arch = arch
+        self._library: ctypes.CDLL | None = None
+        self._tried = False
+
+    def build(self, arch: Sequence[str]) -> ctypes.CDLL | None:
+        """A fresh build with ``arch`` (``[]``: the portable build), not kept."""
+        return build(self.source, arch, self.signatures)
+
+    def library(self) -> ctypes.CDLL | None:
+        """The kernel built for this CPU, or None where it cannot be."""
+        if not self._tried:
+            arch = self.arch()
+            self._library = None if arch is None else self.build(arch)
+            self._tried = True
+        return self._library
+
+    @property
+    def available(self) -> bool:
+        return self.library() is not None
+
+    def built(self) -> ctypes.CDLL:
+        """The library, for callers that were told it is available."""
+        library = self.library()
+        if library is None:
+            raise RuntimeError(f"the C kernel {self.source.name} is not built")
+        return library
+
+
+def avx512_only() -> list[str] | None:
+    """:attr:`CKernel.arch` of kernels written for AVX-512 alone."""
+    return AVX512_BUILD if arch_flags() == AVX512_BUILD else None
