@@ -152,7 +152,7 @@ def test_a_bfloat16_engine_upcasts_as_its_probe_says(
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", probe)
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", probe)
     linear.set_bfloat16_upcast(64)
-    with caplog.at_level(logging.INFO, logger="llmpool.engine.engine_core"):
+    with caplog.at_level(logging.INFO, logger="llmpool.engine.engine_builder"):
         core = EngineCore(
             EngineConfig(dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
         )

@@ -19,7 +19,7 @@ from llmpool.engine.attention import (
     select_backend,
 )
 from llmpool.engine.attention.torch_backend import plan
-from llmpool.engine.models.quantization import FP8_DTYPE
+from llmpool.engine.kv_cache import FP8_DTYPE
 
 NUM_KV_HEADS = 2
 HEAD_DIM = 16

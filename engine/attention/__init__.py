@@ -11,9 +11,9 @@ import torch
 from llmpool.engine import ops
 from llmpool.engine.attention import cpu_backend, torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
+from llmpool.engine.kv_cache import FP8_DTYPE
 from llmpool.engine.lora.cpu_kernel import cpu_lora_add
 from llmpool.engine.lora.ops import torch_lora_add, torch_lora_plan
-from llmpool.engine.models.quantization import FP8_DTYPE
 
 __all__ = ["CPU", "TORCH", "AttentionMetadata", "Backend", "check_kv_cache_dtype", "select_backend"]
 
