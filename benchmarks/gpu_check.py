@@ -149,7 +149,7 @@ def decode_bandwidth(
     """
     from llmpool.engine.attention import AttentionMetadata
     from llmpool.engine.attention.triton_backend import TRITON
-    from llmpool.engine.models.quantization import quantize_fp8
+    from llmpool.engine.kv_cache import quantize_fp8
 
     heads, kv_heads, head_dim, block_size, dtype = 32, 8, 128, 16, torch.bfloat16
     blocks_per_seq = math.ceil(context / block_size)

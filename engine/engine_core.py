@@ -1,35 +1,18 @@
-"""EngineCore: loads the model and KV pool, then runs schedule -> forward -> sample, step by step."""
+"""EngineCore: the step loop (schedule -> forward -> sample) over an engine that engine_builder.py built."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-from llmpool import capacity
-from llmpool.engine import compilation, model_source
 from llmpool.engine.admission import InvalidRequestError, Limits, admit
-from llmpool.engine.attention import check_kv_cache_dtype, select_backend
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.detokenizer import IncrementalDetokenizer
-from llmpool.engine.kernels.capabilities import probe_kernels
-from llmpool.engine.kv_cache_manager import KVCacheManager
+from llmpool.engine.engine_builder import LoadedEngine
 from llmpool.engine.lora.adapter import AdapterError, AdapterWeights, read_adapter
-from llmpool.engine.lora.manager import LoadedAdapter, LoraManager, UnknownAdapterError
+from llmpool.engine.lora.manager import LoadedAdapter, UnknownAdapterError
 from llmpool.engine.model_runner import ModelRunner
-from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
-from llmpool.engine.models.loader import SUPPORTED_MODEL_TYPES, load_weights
-from llmpool.engine.models.quantization import (
-    FP8_DTYPE,
-    FP8_KV_SCALE_HEADROOM,
-    KV_CALIBRATION_TEXT,
-    fp8_kv_scale,
-    quantize,
-)
 from llmpool.engine.outputs import RequestDelta
 from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.request import Request, RequestStatus
@@ -38,8 +21,6 @@ from llmpool.engine.scheduler import Scheduler
 from llmpool.engine.structured_outputs import GrammarError, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
 
 @dataclass
@@ -59,95 +40,15 @@ class EngineStats:
     waiting_adapters: tuple[str, ...] = ()  # and of the waiting ones
 
 
-def model_shape_for_capacity(shape: LlamaShape, num_parameters: int) -> capacity.ModelShape:
-    return capacity.ModelShape(
-        num_layers=shape.num_layers,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        num_parameters=num_parameters,
-        max_position_embeddings=shape.max_position_embeddings,
-        embedding_parameters=capacity.embedding_parameters(
-            shape.vocab_size, shape.hidden_size, shape.tie_word_embeddings
-        ),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_heads=shape.num_heads,
-    )
+class EngineCore(LoadedEngine):
+    """The synchronous engine: no threads, no event loop; the async front end drives ``step()``.
 
-
-class EngineCore:
-    """The synchronous engine: no threads, no event loop; the async front end drives ``step()``."""
+    What it runs on (the model, its KV cache, kernels) is built by ``LoadedEngine``
+    (engine_builder.py); this class adds the scheduler, the runner and the requests' state.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.resolved = model_source.resolve(config.model)
-        model_source.verify_revision(self.resolved, config.revision)
-        folder = self.resolved.folder
-        hf_config = AutoConfig.from_pretrained(folder)
-        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model type {hf_config.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
-            )
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.shape = LlamaShape.from_hf_config(hf_config)
-        self.max_model_len = config.max_model_len or self.shape.max_position_embeddings
-        if self.max_model_len > self.shape.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len:,} exceeds the model's context length"
-                f" {self.shape.max_position_embeddings:,}"
-            )
-        self.eos_token_ids = _eos_token_ids(folder, self.tokenizer)
-        self.device = config.torch_device()
-        self.resolved_dtype = config.resolved_dtype(self.device)
-        self.dtype = self.resolved_dtype.dtype
-        self.kv_cache_torch_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
-        dense = config.quantization == "none"  # quantized layers have their own kernels
-        gemm_shape = (2 * self.shape.intermediate_size, self.shape.hidden_size) if dense else None
-        self.kernels = probe_kernels(self.device, self.dtype, gemm_shape)
-        self.backend = select_backend(
-            self.device, config.attention_backend, self.kv_cache_torch_dtype, kernels=self.kernels
-        )
-        check_kv_cache_dtype(self.backend, self.kv_cache_torch_dtype, self.device)
-
-        model = LlamaForCausalLM(
-            self.shape, self.backend, max_positions=self.max_model_len, gemm=self.kernels.gemm
-        )
-        load_weights(model, folder)
-        num_parameters = sum(p.numel() for p in model.parameters())
-        quantize(
-            model, config.quantization, self.kernels
-        )  # from the float32 checkpoint weights, before the cast
-        if config.quantization != "none" and self.device.type == "cpu":
-            logger.info(
-                "%s decodes on this CPU: %s",
-                config.quantization,
-                "the VNNI kernels (vnni_gemm)"
-                if self.kernels.vnni_gemm
-                else "torch's weight-only kernels (the VNNI ones need AVX-512 VNNI and VBMI and gcc)",
-            )
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.cos_sin_cache = self.model.cos_sin_cache.to(self.device)
-        self.capacity_shape = model_shape_for_capacity(self.shape, num_parameters)
-        # LoRA slots are allocated before the KV pool, so that a GPU's budget sees them.
-        self.lora: LoraManager | None = None
-        if config.enable_lora:
-            self.lora = LoraManager(
-                self.shape, config.max_loras, config.max_lora_rank, self.dtype, self.device
-            )
-            self.model.enable_lora(self.lora.stacks)
-
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
-        )
-        cache_shape = (num_blocks, config.block_size, self.shape.num_kv_heads, self.shape.head_dim)
-
-        def empty_cache() -> torch.Tensor:
-            return torch.zeros(cache_shape, dtype=self.kv_cache_torch_dtype, device=self.device)
-
-        self.kv_caches = [(empty_cache(), empty_cache()) for _ in range(self.shape.num_layers)]
-        if self.kv_cache_torch_dtype == FP8_DTYPE:
-            self._calibrate_fp8_kv_scales()
+        super().__init__(config)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -159,20 +60,19 @@ class EngineCore:
             self.tokenizer, self.shape.vocab_size, self.eos_token_ids
         )
         self.runner = ModelRunner(
-            self.model,
-            self.kv_caches,
-            self.kv_cache_manager,
-            self.device,
-            self.structured_outputs,
+            self.model, self.kv_caches, self.kv_cache_manager, self.device, self.structured_outputs
         )
-        if config.compile:
-            self._compile()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.limits = Limits(
             vocab_size=self.shape.vocab_size,
             max_model_len=self.max_model_len,
             priority_floor=config.request_priority_floor,
         )
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        config = self.config
+        num_blocks = self.kv_cache_manager.num_total_blocks
         logger.info(
             "engine ready: %s (%s) on %s/%s (%s), backend %s, %d KV blocks of %d tokens (%s tokens),"
             " max_model_len %d, quantization %s, KV cache %s",
@@ -189,89 +89,6 @@ class EngineCore:
             config.quantization,
             self.kv_dtype_name,
         )
-
-    def _compile(self) -> None:
-        compilation.check_can_compile(self.device)
-        started = time.monotonic()
-        max_tokens = min(
-            self.config.max_num_batched_tokens,
-            self.max_model_len,
-            self.kv_cache_manager.num_total_blocks * self.config.block_size,
-        )
-        graphs = compilation.compile_all_sizes(
-            self.model, self.kv_caches, self.config.block_size, max_tokens
-        )
-        logger.info(
-            "compiled the decoder: %d graphs for 1..%d tokens in %.0f s",
-            graphs,
-            max_tokens,
-            time.monotonic() - started,
-        )
-
-    def _calibrate_fp8_kv_scales(self) -> None:
-        """Set each layer's fp8 KV scales from the amax of its K and V over a fixed text.
-
-        One forward of ``KV_CALIBRATION_TEXT`` through a cache in the model's dtype (the pool is
-        already allocated, so its size did not count this pass's memory). This runs before the
-        scheduler exists and the scales never change afterwards: a prefix-cache block holds
-        ``K / k_scale``, and a block written under other scales would be read wrong by every
-        request that shares it. The scales follow from the pinned weights and the fixed text,
-        so they are not part of the fingerprint.
-        """
-        token_ids = self.tokenizer.encode(KV_CALIBRATION_TEXT)[: self.max_model_len]
-        amax = self.model.measure_kv_amax(token_ids, self.config.block_size, self.dtype)
-        self.model.set_kv_scales([(fp8_kv_scale(k), fp8_kv_scale(v)) for k, v in amax])
-        k_amax, v_amax = [k for k, _ in amax], [v for _, v in amax]
-        logger.info(
-            "fp8 KV scales calibrated on %d tokens: k amax %.3g..%.3g, v amax %.3g..%.3g"
-            " across %d layers, each stored at e4m3 max / %g",
-            len(token_ids), min(k_amax), max(k_amax), min(v_amax), max(v_amax),
-            len(amax), FP8_KV_SCALE_HEADROOM,
-        )  # fmt: skip
-
-    @property
-    def kv_dtype_name(self) -> str:
-        """The KV-cache dtype as llmpool.capacity names it."""
-        if self.config.kv_cache_dtype == "fp8":
-            return "fp8"
-        return self.resolved_dtype.name
-
-    def _num_kv_blocks(self) -> int:
-        config = self.config
-        block_size = config.block_size
-        blocks_per_seq = -(-self.max_model_len // block_size)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            memory = config.kv_cache_memory or self._default_kv_cache_bytes()
-            num_blocks = capacity.num_kv_blocks(
-                self.capacity_shape, self.kv_dtype_name, block_size, int(memory)
-            )
-            # More blocks than every sequence at full length could use is memory for nothing.
-            num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
-        if num_blocks < blocks_per_seq:
-            raise ValueError(
-                f"the KV pool holds {num_blocks * block_size:,} tokens ({num_blocks} blocks of {block_size}),"
-                f" fewer than one sequence of max_model_len {self.max_model_len:,}; lower max_model_len"
-                " or give the cache more memory"
-            )
-        return num_blocks
-
-    def _default_kv_cache_bytes(self) -> int:
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_CACHE_BYTES
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free
-        # Keep room for one step's activations and logits beside the weights already loaded.
-        activations = self.config.max_num_batched_tokens * (
-            self.shape.hidden_size * 16 + self.shape.vocab_size * 4
-        )
-        budget = int(total * self.config.gpu_memory_utilization) - used_by_others - activations
-        if budget <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization {self.config.gpu_memory_utilization} leaves no memory for the KV cache"
-            )
-        return budget
 
     # --- requests -------------------------------------------------------------------------
 
@@ -473,19 +290,3 @@ class EngineCore:
 
 def _adapter_names(requests: list[Request]) -> tuple[str, ...]:
     return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
-
-
-def _eos_token_ids(folder: Any, tokenizer: Any) -> frozenset[int]:
-    """EOS ids from generation_config.json (may be a list) plus the tokenizer's own."""
-    ids: set[int] = set()
-    try:
-        eos = GenerationConfig.from_pretrained(folder).eos_token_id
-    except OSError:
-        eos = None
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)

@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Triton reads this once, at import; whichever test imports it first (HF generate does), the
 # kernel tests must find it interpreting on CPU. LLMPOOL_KERNEL_TEST_DEVICE=cuda runs them on GPU.
@@ -21,6 +21,9 @@ from llmpool.engine import model_source
 from llmpool.engine.cpu_features import cpu_flags
 from llmpool.engine.kernels.c_loader import AVX512_FLAGS
 from llmpool.engine.lora.ops import LoraBatch, LoraWeights
+
+if TYPE_CHECKING:  # the engine (transformers) is imported by the tests that build one
+    from llmpool.engine.engine_core import EngineCore
 
 
 def needs_cpu(*flags: str) -> pytest.MarkDecorator:
@@ -61,6 +64,29 @@ def reference_new_tokens() -> int:
 @pytest.fixture(scope="session")
 def builtin_folder() -> Path:
     return model_source.resolve(None).folder
+
+
+# The engines that test_quantization.py and test_fp8_kv_scales.py compare: the built-in model
+# with float32 activations, so that only what a test quantizes differs from the reference.
+FLOAT32_ENGINE = {"max_model_len": 512, "kv_cache_memory": "64MiB", "dtype": "float32"}
+
+
+def float32_engine(**config: Any) -> EngineCore:
+    from llmpool.engine.config import EngineConfig
+    from llmpool.engine.engine_core import EngineCore
+
+    torch.manual_seed(0)
+    return EngineCore(EngineConfig(**(FLOAT32_ENGINE | config)))
+
+
+@pytest.fixture(scope="module")
+def fp32_engine() -> EngineCore:
+    return float32_engine()
+
+
+@pytest.fixture(scope="module")
+def fp8_kv_engine() -> EngineCore:
+    return float32_engine(kv_cache_dtype="fp8")
 
 
 @pytest.fixture(scope="session")

@@ -14,24 +14,22 @@ import math
 import pytest
 import torch
 
-from llmpool.engine import engine_core
+from llmpool.engine import engine_builder
 from llmpool.engine.attention import AttentionMetadata, Backend, select_backend
-from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
-from llmpool.engine.models.llama import LlamaForCausalLM
-from llmpool.engine.models.quantization import (
+from llmpool.engine.kv_cache import (
     FP8_DTYPE,
     FP8_KV_SCALE_HEADROOM,
     FP8_MAX,
     KV_CALIBRATION_TEXT,
     fp8_kv_scale,
 )
+from llmpool.engine.models.llama import LlamaForCausalLM
 from llmpool.engine.scoring import next_token_log_probs, rescale_kv
 from llmpool.engine.server.fingerprint import build_fingerprint
+from tests.conftest import float32_engine
 
 pytestmark = pytest.mark.slow
-
-COMMON = {"max_model_len": 512, "kv_cache_memory": "64MiB", "dtype": "float32"}
 
 TEXT = (
     "Die Stadtbibliothek öffnet am Montag nach der Renovierung wieder. Neu sind ein Lesesaal mit"
@@ -43,21 +41,6 @@ TEXT = (
 # normal range): magnitudes other checkpoints have, where scale 1.0 saturates and underflows.
 STRESS_KEY_FACTOR = 32.0
 STRESS_VALUE_FACTOR = 1 / 1024
-
-
-def engine(**config: object) -> EngineCore:
-    torch.manual_seed(0)
-    return EngineCore(EngineConfig(**(COMMON | config)))
-
-
-@pytest.fixture(scope="module")
-def fp32_engine() -> EngineCore:
-    return engine()
-
-
-@pytest.fixture(scope="module")
-def fp8_engine() -> EngineCore:
-    return engine(kv_cache_dtype="fp8")
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +64,10 @@ def with_unit_scales(core: EngineCore, reference: torch.Tensor) -> float:
 
 
 def test_scales_are_calibrated_per_layer_and_deterministic(
-    fp8_engine: EngineCore, fp32_engine: EngineCore, caplog: pytest.LogCaptureFixture
+    fp8_kv_engine: EngineCore, fp32_engine: EngineCore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    scales = fp8_engine.model.kv_scales
-    assert len(scales) == fp8_engine.shape.num_layers
+    scales = fp8_kv_engine.model.kv_scales
+    assert len(scales) == fp8_kv_engine.shape.num_layers
     flat = [scale for pair in scales for scale in pair]
     assert all(math.isfinite(scale) and scale > 0 for scale in flat), scales
     assert all(math.log2(scale).is_integer() for scale in flat), scales
@@ -100,8 +83,8 @@ def test_scales_are_calibrated_per_layer_and_deterministic(
             stored = value / scale
             assert FP8_MAX / (2 * FP8_KV_SCALE_HEADROOM) < stored <= FP8_MAX / FP8_KV_SCALE_HEADROOM
 
-    with caplog.at_level(logging.INFO, logger=engine_core.__name__):
-        again = engine(kv_cache_dtype="fp8")
+    with caplog.at_level(logging.INFO, logger=engine_builder.__name__):
+        again = float32_engine(kv_cache_dtype="fp8")
     assert again.model.kv_scales == scales
     assert "fp8 KV scales calibrated on" in caplog.text
 
@@ -116,14 +99,14 @@ def test_a_cache_in_the_model_dtype_keeps_unit_scales(fp32_engine: EngineCore) -
 
 
 def test_calibrated_scales_are_no_worse_than_unit_scales(
-    fp8_engine: EngineCore, reference_log_probs: torch.Tensor
+    fp8_kv_engine: EngineCore, reference_log_probs: torch.Tensor
 ) -> None:
     """The built-in model's K and V (amax 10-21 and 0.6-18) already sit inside e4m3's range at
     scale 1.0, where a power-of-two scale rounds them the same; what calibration gains here is
     the smallest values, kept out of the subnormals."""
     # Measured: calibrated 0.01228, scale 1.0 0.01358 (over 6 texts, 0.00766 and 0.00884).
-    calibrated = kl_from_reference(fp8_engine, reference_log_probs)
-    unit = with_unit_scales(fp8_engine, reference_log_probs)
+    calibrated = kl_from_reference(fp8_kv_engine, reference_log_probs)
+    unit = with_unit_scales(fp8_kv_engine, reference_log_probs)
     assert calibrated <= unit, (
         f"KL to the float32 cache: calibrated scales {calibrated:.5f}, scale 1.0 {unit:.5f}"
     )
@@ -131,19 +114,19 @@ def test_calibrated_scales_are_no_worse_than_unit_scales(
 
 def test_calibration_follows_the_magnitudes_where_unit_scales_fail(
     monkeypatch: pytest.MonkeyPatch,
-    fp8_engine: EngineCore,
+    fp8_kv_engine: EngineCore,
     reference_log_probs: torch.Tensor,
 ) -> None:
     def load_reparametrized(model: LlamaForCausalLM, folder: object) -> None:
         load_weights(model, folder)
         rescale_kv(model, STRESS_KEY_FACTOR, STRESS_VALUE_FACTOR)
 
-    load_weights = engine_core.load_weights
-    monkeypatch.setattr(engine_core, "load_weights", load_reparametrized)
-    stressed = engine(kv_cache_dtype="fp8")
+    load_weights = engine_builder.load_weights
+    monkeypatch.setattr(engine_builder, "load_weights", load_reparametrized)
+    stressed = float32_engine(kv_cache_dtype="fp8")
     # The scales move by exactly the factors (powers of two), so the cache holds the same bytes.
     for (k_scale, v_scale), (k_stressed, v_stressed) in zip(
-        fp8_engine.model.kv_scales, stressed.model.kv_scales, strict=True
+        fp8_kv_engine.model.kv_scales, stressed.model.kv_scales, strict=True
     ):
         assert (k_stressed, v_stressed) == (
             k_scale * STRESS_KEY_FACTOR,
@@ -151,7 +134,7 @@ def test_calibration_follows_the_magnitudes_where_unit_scales_fail(
         )
     # Measured: calibrated 0.01228 (the unchanged model's), scale 1.0 3.823.
     calibrated = kl_from_reference(stressed, reference_log_probs)
-    unchanged = kl_from_reference(fp8_engine, reference_log_probs)
+    unchanged = kl_from_reference(fp8_kv_engine, reference_log_probs)
     assert calibrated == pytest.approx(unchanged, rel=1e-3)
     unit = with_unit_scales(stressed, reference_log_probs)
     assert unit >= 0.5, f"KL with scale 1.0 {unit:.5f}: the stress no longer saturates"
@@ -191,13 +174,13 @@ def attend(
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 @pytest.mark.parametrize("which_layer", ["smallest v_scale", "largest v_scale"])
 def test_backends_with_calibrated_scales_match_float_attention(
-    backend_name: str, which_layer: str, fp8_engine: EngineCore
+    backend_name: str, which_layer: str, fp8_kv_engine: EngineCore
 ) -> None:
     """K and V of a calibrated layer's magnitudes, written to an fp8 cache with that layer's
     scales and attended, against attention over the same K and V in float32."""
-    backend = select_backend(torch.device("cpu"), backend_name, kernels=fp8_engine.kernels)
-    shape = fp8_engine.shape
-    scales = sorted(fp8_engine.model.kv_scales, key=lambda pair: pair[1])
+    backend = select_backend(torch.device("cpu"), backend_name, kernels=fp8_kv_engine.kernels)
+    shape = fp8_kv_engine.shape
+    scales = sorted(fp8_kv_engine.model.kv_scales, key=lambda pair: pair[1])
     k_scale, v_scale = scales[0] if which_layer == "smallest v_scale" else scales[-1]
     # Calibration stored the layer's amax between 448 / 2h and 448 / h.
     k_amax = k_scale * FP8_MAX / FP8_KV_SCALE_HEADROOM

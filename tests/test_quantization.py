@@ -17,11 +17,10 @@ from llmpool.engine import SamplingParams, scoring
 from llmpool.engine.config import QUANTIZATIONS, EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.models.quantization import quantize_rows_int8, weight_bytes
+from tests.conftest import FLOAT32_ENGINE, float32_engine
 
 pytestmark = pytest.mark.slow
 
-KV_MEMORY = "64MiB"
-COMMON = {"max_model_len": 512, "kv_cache_memory": KV_MEMORY, "dtype": "float32"}
 
 PERPLEXITY_TEXT = (
     "The river begins high in the mountains, where snow melts in late spring and runs down in"
@@ -62,29 +61,14 @@ ROOT = Path(__file__).parent.parent
 FP8_MAX_PERPLEXITY_RATIO = 1.03
 
 
-def engine(**config: object) -> EngineCore:
-    torch.manual_seed(0)
-    return EngineCore(EngineConfig(**(COMMON | config)))
-
-
-@pytest.fixture(scope="module")
-def fp32_engine() -> EngineCore:
-    return engine()
-
-
 @pytest.fixture(scope="module")
 def int8_engine() -> EngineCore:
-    return engine(quantization="int8")
+    return float32_engine(quantization="int8")
 
 
 @pytest.fixture(scope="module")
 def int4_engine() -> EngineCore:
-    return engine(quantization="int4")
-
-
-@pytest.fixture(scope="module")
-def fp8_kv_engine() -> EngineCore:
-    return engine(kv_cache_dtype="fp8")
+    return float32_engine(quantization="int4")
 
 
 def perplexity(core: EngineCore, text: str) -> float:
@@ -163,7 +147,7 @@ def test_greedy_agreement_and_perplexity(
 
 
 def test_fp8_kv_cache_holds_twice_the_blocks_of_bfloat16(fp8_kv_engine: EngineCore) -> None:
-    memory = EngineConfig(kv_cache_memory=KV_MEMORY).kv_cache_memory
+    memory = EngineConfig(kv_cache_memory=FLOAT32_ENGINE["kv_cache_memory"]).kv_cache_memory
     bf16_blocks = capacity.num_kv_blocks(fp8_kv_engine.capacity_shape, "bfloat16", 16, memory)
     fp8_blocks = fp8_kv_engine.kv_cache_manager.num_total_blocks
     assert fp8_blocks >= 1.9 * bf16_blocks, f"{fp8_blocks} fp8 blocks, {bf16_blocks} bfloat16"

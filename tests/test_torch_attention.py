@@ -18,7 +18,7 @@ from llmpool.engine.attention import (
 from llmpool.engine.attention.torch_backend import plan
 from llmpool.engine.kernels import c_loader, cpu_decode, cpu_lora
 from llmpool.engine.kernels.capabilities import KernelCapabilities, probe_kernels
-from llmpool.engine.models.quantization import FP8_DTYPE
+from llmpool.engine.kv_cache import FP8_DTYPE
 
 KERNELS = probe_kernels(torch.device("cpu"))
 CPU = select_backend(torch.device("cpu"), "cpu", kernels=KERNELS)

@@ -43,7 +43,7 @@ from llmpool.engine.attention import (  # noqa: E402
 )
 from llmpool.engine.attention.triton_backend import TRITON  # noqa: E402
 from llmpool.engine.kernels.capabilities import KernelCapabilities, probe_kernels  # noqa: E402
-from llmpool.engine.models.quantization import FP8_DTYPE, quantize_fp8  # noqa: E402
+from llmpool.engine.kv_cache import FP8_DTYPE, quantize_fp8  # noqa: E402
 
 DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get
 # fp32 must agree to rounding-order noise; fp16 rounds the softmax probabilities to fp16

@@ -15,9 +15,9 @@ from llmpool.engine.attention.metadata import AttentionMetadata
 from llmpool.engine.kernels import cpu_decode
 from llmpool.engine.kernels.capabilities import KernelCapabilities
 from llmpool.engine.kernels.cpu_lora import cpu_lora_add
+from llmpool.engine.kv_cache import FP8_DTYPE
 from llmpool.engine.lora.ops import torch_lora_add, torch_lora_plan
 from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice
-from llmpool.engine.models.quantization import FP8_DTYPE
 
 __all__ = ["TORCH", "AttentionMetadata", "Backend", "check_kv_cache_dtype", "select_backend"]
 

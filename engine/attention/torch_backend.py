@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from llmpool.engine.attention.metadata import AttentionMetadata
-from llmpool.engine.models.quantization import FP8_DTYPE, check_kv_scales, quantize_fp8
+from llmpool.engine.kv_cache import FP8_DTYPE, check_kv_scales, quantize_fp8
 
 
 def write_kv(

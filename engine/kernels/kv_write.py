@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from llmpool.engine.kernels.common import strides
-from llmpool.engine.models.quantization import FP8_DTYPE, FP8_MAX, check_kv_scales
+from llmpool.engine.kv_cache import FP8_DTYPE, FP8_MAX, check_kv_scales
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def write_kv(
 
     Caches are ``[num_blocks, block_size, kv_heads, head_dim]``; slot ``s`` is block
     ``s // block_size``, offset ``s % block_size``. Negative slots are skipped. An fp8 cache
-    stores ``x / scale`` as ``quantization.quantize_fp8`` does, bit for bit.
+    stores ``x / scale`` as ``kv_cache.quantize_fp8`` does, bit for bit.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     check_kv_scales(key_cache.dtype, k_scale, v_scale)

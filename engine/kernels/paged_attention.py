@@ -11,7 +11,7 @@ import triton.language as tl
 
 from llmpool.engine.attention.metadata import AttentionMetadata
 from llmpool.engine.kernels.common import dot_precision, matmul_dtype, strides
-from llmpool.engine.models.quantization import check_kv_scales
+from llmpool.engine.kv_cache import check_kv_scales
 
 # tl.dot needs at least 16 rows; more rows per tile reuse each loaded K/V tile for more
 # queries (prefill), at the price of idle rows when a sequence has fewer queries (decode).

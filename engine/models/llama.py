@@ -11,6 +11,7 @@ from torch import nn
 
 from llmpool.engine.attention import AttentionMetadata, Backend
 from llmpool.engine.attention.step import layer_attention, step_attention
+from llmpool.engine.kv_cache import allocate_kv_caches
 from llmpool.engine.lora import DOWN, GATE_UP, O_PROJ, QKV
 from llmpool.engine.lora.ops import LoraBatch, lora_add, step_lora
 from llmpool.engine.models.int4 import Int4Linear
@@ -127,8 +128,8 @@ class LlamaLayer(nn.Module):
         self.down_proj = Linear(shape.intermediate_size, shape.hidden_size, bias=False, gemm=gemm)
         self.split_sizes = [q_size, kv_size, kv_size]
         self.scale = shape.head_dim**-0.5
-        # Per-tensor scales of an fp8 KV cache: it stores K / k_scale (quantization.quantize_fp8).
-        # Calibrated once at load (EngineCore), fixed afterwards.
+        # Per-tensor scales of an fp8 KV cache: it stores K / k_scale (kv_cache.quantize_fp8).
+        # Calibrated once at load (engine_builder), fixed afterwards.
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -275,14 +276,11 @@ class LlamaForCausalLM(nn.Module):
         device = self.cos_sin_cache.device
         num_tokens = len(token_ids)
         num_blocks = -(-num_tokens // block_size)
-        cache_shape = (num_blocks, block_size, self.shape.num_kv_heads, self.shape.head_dim)
-        kv_caches = [
-            (
-                torch.zeros(cache_shape, dtype=cache_dtype, device=device),
-                torch.zeros(cache_shape, dtype=cache_dtype, device=device),
-            )
-            for _ in self.layers
-        ]
+        shape = self.shape
+        kv_caches = allocate_kv_caches(
+            shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim,
+            cache_dtype, device,
+        )  # fmt: skip
         meta = AttentionMetadata.one_sequence(num_tokens, block_size, device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         self(input_ids, torch.arange(num_tokens, device=device), kv_caches, meta)
@@ -292,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
         return [(float(k), float(v)) for k, v in amax.tolist()]
 
     def set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
-        """``(k_scale, v_scale)`` of each layer's fp8 cache; see EngineCore for when this may run."""
+        """``(k_scale, v_scale)`` of each layer's fp8 cache; see engine_builder for when this may run."""
         for layer, (k_scale, v_scale) in zip(self.layers, scales, strict=True):
             layer.k_scale, layer.v_scale = k_scale, v_scale
 

@@ -24,7 +24,7 @@ import torch
 from llmpool.bench.results import RESULTS, script_command, write_json
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
-from llmpool.engine.models.quantization import (
+from llmpool.engine.kv_cache import (
     FP8_KV_SCALE_HEADROOM,
     FP8_MAX,
     KV_CALIBRATION_TEXT,
