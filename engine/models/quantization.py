@@ -6,6 +6,7 @@ The fp8 (e4m3) KV cache is the KV cache's own (``engine/kv_cache.py``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,7 +14,9 @@ from torch import nn
 from llmpool.engine.kernels import vnni_gemm
 from llmpool.engine.kernels.capabilities import KernelCapabilities
 from llmpool.engine.models.int4 import Int4Linear
-from llmpool.engine.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:  # the model's use_kernels re-sets this module's Int8Linear layers
+    from llmpool.engine.models.llama import LlamaForCausalLM
 
 INT8_MAX = 127
 
