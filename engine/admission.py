@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.sampling_params import SamplingParams
+from llmpool.protocol.priority import PRIORITY_CLASSES
 
 # Beyond the classes, vLLM-style integer priorities are allowed down to this (lower runs first).
 LOWEST_PRIORITY = 2**31 - 1

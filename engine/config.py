@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from llmpool.engine.cpu_features import NATIVE_BFLOAT16_FLAGS, native_bfloat16_flags
-from llmpool.engine.priority import PRIORITY_CLASSES
+from llmpool.protocol.priority import PRIORITY_CLASSES
 
 _SIZE_UNITS = {
     "": 1,
@@ -90,7 +90,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
-    priority_class: str = "interactive"  # the class of requests that name none (engine/priority.py)
+    # The class of requests that name none (llmpool/protocol/priority.py).
+    priority_class: str = "interactive"
     # The most urgent class a request may ask for; None: priority_class, so that no client of a
     # batch pool can jump ahead of the pool's own class.
     max_request_priority: str | None = None

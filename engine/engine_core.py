@@ -14,11 +14,11 @@ from llmpool.engine.lora.adapter import AdapterError, AdapterWeights, read_adapt
 from llmpool.engine.lora.manager import LoadedAdapter, UnknownAdapterError
 from llmpool.engine.model_runner import ModelRunner
 from llmpool.engine.outputs import RequestDelta
-from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.request import Request, RequestStatus
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.scheduler import Scheduler
 from llmpool.engine.structured_outputs import GrammarError, StructuredOutputManager
+from llmpool.protocol.priority import PRIORITY_CLASSES
 
 logger = logging.getLogger(__name__)
 

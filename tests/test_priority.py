@@ -8,10 +8,10 @@ import pytest
 
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.kv_cache_manager import KVCacheManager
-from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.request import Request
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.scheduler import Scheduler, SchedulerOutput
+from llmpool.protocol.priority import PRIORITY_CLASSES
 
 INTERACTIVE = PRIORITY_CLASSES["interactive"]
 BATCH = PRIORITY_CLASSES["batch"]

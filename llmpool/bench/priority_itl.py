@@ -30,8 +30,8 @@ from llmpool.bench.results import RESULTS, grouped_bars, script_command, write_j
 from llmpool.bench.stats import percentile
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
-from llmpool.engine.priority import PRIORITY_CLASSES
 from llmpool.engine.sampling_params import SamplingParams
+from llmpool.protocol.priority import PRIORITY_CLASSES
 
 CHAT_PROMPT = "Write a short story about a lighthouse keeper who befriends a seagull."
 BATCH_TEXT = (
