@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
+from llmpool.bench.stats import median_seconds
 from llmpool.bench.steps import ENDLESS, alternating_step_ms, gemm_weights, start_decoding
 from llmpool.engine import LLM
 from llmpool.engine.engine_core import EngineCore
@@ -41,16 +39,6 @@ from llmpool.engine.models.llama import LlamaForCausalLM
 
 PROMPT = list(range(1000, 1064))  # clear of special tokens
 MAX_BATCHED_TOKENS = 512  # prompts take a few steps; the compiled sizes stop here
-
-
-def median_seconds(run: Callable[[], Any], repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def gemm_roof(model: LlamaForCausalLM, rows: int, repeats: int) -> tuple[float, float]:

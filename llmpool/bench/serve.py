@@ -50,6 +50,7 @@ from llmpool.bench.compare import (
     parse_target,
 )
 from llmpool.bench.results import cpu_description
+from llmpool.bench.roof import MachineRoof, ModelShape, describe, measure_machine, workload_roof
 from llmpool.bench.stats import PERCENTILES, percentiles
 from llmpool.bench.workload import WorkItem, make_levels, parse_length_range
 
@@ -90,6 +91,8 @@ class LevelSummary:
     prompt_tokens_mean: float = math.nan  # as the server counted them (its tokenizer)
     output_tokens_counted_by: str = "usage"  # "usage", "chunks" or "mixed"
     load_average_1m: float = math.nan  # of the machine, right after the level
+    roof_s: float = math.nan  # with --roof: the least time this machine could serve the level in
+    fraction_of_roof: float = math.nan  # roof_s over duration_s
 
 
 def read_chunk(chunk: dict[str, Any], result: RequestResult) -> bool:
@@ -176,11 +179,21 @@ async def run_level(
     return results, time.perf_counter() - started
 
 
-def summarize(concurrency: int, results: list[RequestResult], duration: float) -> LevelSummary:
+def summarize(
+    concurrency: int,
+    results: list[RequestResult],
+    duration: float,
+    roof: tuple[ModelShape, MachineRoof] | None = None,
+) -> LevelSummary:
+    """One level's numbers; with ``roof``, also its roof (when the server counted every prompt)."""
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     counted_by = {r.counted_by for r in done}
     prompt_tokens = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
+    roof_s = math.nan
+    if roof is not None and done and len(prompt_tokens) == len(done):
+        sizes = [(p, r.output_tokens) for p, r in zip(prompt_tokens, done, strict=True)]
+        roof_s = workload_roof(*roof, sizes, concurrency).seconds
     return LevelSummary(
         concurrency=concurrency,
         completed=len(done),
@@ -196,6 +209,8 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float) -
         errors=dict(Counter(r.error or "no tokens" for r in results if not r.ok)),
         prompt_tokens_mean=float(np.mean(prompt_tokens)) if prompt_tokens else math.nan,
         output_tokens_counted_by=counted_by.pop() if len(counted_by) == 1 else "mixed",
+        roof_s=roof_s,
+        fraction_of_roof=roof_s / duration,
     )
 
 
@@ -213,8 +228,8 @@ def markdown_table(levels: list[LevelSummary]) -> str:
     lines = [
         "| concurrency | ok / failed | req/s | output tok/s | vs lowest | TTFT p50/p95/p99 (ms)"
         " | TPOT p50/p95/p99 (ms) | ITL p50/p95/p99 (ms) | E2E p50/p95/p99 (ms) |"
-        " prompt tokens (mean) | load (1m) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " prompt tokens (mean) | load (1m) | of roof |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for level in levels:
         lines.append(
@@ -222,7 +237,7 @@ def markdown_table(levels: list[LevelSummary]) -> str:
             f" | {level.output_throughput:.1f} | {level.output_throughput_ratio:.2f}x"
             f" | {triple(level.ttft_ms)} | {triple(level.tpot_ms)} | {triple(level.itl_ms)}"
             f" | {triple(level.e2e_ms)} | {level.prompt_tokens_mean:.0f}"
-            f" | {level.load_average_1m:.1f} |"
+            f" | {level.load_average_1m:.1f} | {100 * level.fraction_of_roof:.0f}% |"
         )
     return "\n".join(lines) + "\n"
 
@@ -332,6 +347,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result = await send_request(client, model, warmup, args.temperature)
             if not result.ok:
                 raise RuntimeError(f"{target.name}: warm-up request failed: {result.error}")
+        # Measured while every server is idle, before the load: the run's own roof.
+        roof = (
+            None if args.roof is None else (args.roof, measure_machine(args.roof, args.roof_dtype))
+        )
         levels: list[list[LevelSummary]] = [[] for _ in targets]
         with tqdm(total=sum(sizes) * len(targets), desc="bench serve", unit="req") as progress:
             for index, ((concurrency, _), items) in enumerate(
@@ -348,13 +367,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     results, duration = await run_level(
                         send, items, concurrency, args.request_rate, args.seed, progress
                     )
-                    summary = summarize(concurrency, results, duration)
+                    summary = summarize(concurrency, results, duration, roof)
                     summary.load_average_1m = os.getloadavg()[0]
                     levels[t].append(summary)
     finally:
         for client in clients:
             await client.aclose()
-    return build_report(args, targets, models, levels, host_info())
+    return build_report(args, targets, models, levels, host_info(), roof)
 
 
 def build_report(
@@ -363,6 +382,7 @@ def build_report(
     models: list[str],
     levels: list[list[LevelSummary]],
     host: dict[str, Any],
+    roof: tuple[ModelShape, MachineRoof] | None = None,
 ) -> dict[str, Any]:
     """The JSON report: ours at the top level (as without peers), peers under ``against``, and
     per peer the ratios ours / peer at each level under ``ratios``."""
@@ -385,6 +405,7 @@ def build_report(
         },
         "note": args.note,
         "host": host,
+        "roof": None if roof is None else describe(*roof),
         "workload": {
             "requests_per_level": [size for _, size in args.levels],
             "input_words": str(args.input_len),
@@ -475,6 +496,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="requests/s (Poisson); inf: all at once",
     )
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--roof",
+        nargs="?",
+        const="builtin",
+        default=None,
+        metavar="FOLDER",
+        help="also report each level's fraction of this machine's roof for the model in FOLDER"
+        " (its config.json; default: the built-in model), measured in this run",
+    )
+    parser.add_argument(
+        "--roof-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="the served dtype the roof's GEMM rate and bytes are counted in; auto: what"
+        " `llmpool serve` picks on this machine",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results/serve"))
     parser.add_argument(
@@ -494,8 +531,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         check_unique([args.url, *args.against])
     except ValueError as error:
         parser.error(str(error))
+    if args.roof is not None:
+        args.roof, args.roof_dtype = roof_target(args.roof, args.roof_dtype)
     args.argv = argv
     return args
+
+
+def roof_target(folder: str, dtype: str) -> tuple[ModelShape, str]:
+    """The model shape and dtype ``--roof`` and ``--roof-dtype`` name (auto as the server)."""
+    import torch
+
+    from llmpool.engine.config import resolve_dtype
+    from llmpool.engine.model_source import resolve
+
+    path = resolve(None).folder if folder == "builtin" else Path(folder)
+    if dtype == "auto":
+        dtype = resolve_dtype("auto", torch.device("cpu")).name
+    return ModelShape.from_folder(path), dtype
 
 
 def main(argv: list[str]) -> int:

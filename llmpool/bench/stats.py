@@ -11,7 +11,10 @@ on their sample sizes the two differ by at most one sample's gap.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,3 +33,14 @@ def percentiles(values: Sequence[float], scale: float = 1000.0) -> dict[str, flo
     scaled = [value * scale for value in values]
     mean = float(np.mean(scaled)) if scaled else math.nan
     return {"mean": mean, **{f"p{p}": percentile(scaled, p) for p in PERCENTILES}}
+
+
+def median_seconds(run: Callable[[], Any], repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``run``, after one call to warm it up."""
+    run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

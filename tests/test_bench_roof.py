@@ -1,0 +1,74 @@
+"""The roof `llmpool bench serve --roof` reports: the model's work counted from its real files."""
+
+from __future__ import annotations
+
+import math
+
+from safetensors import safe_open
+
+from llmpool.bench.roof import MachineRoof, ModelShape, workload_roof
+from llmpool.bench.serve import RequestResult, parse_args, summarize
+from llmpool.engine.model_source import resolve
+
+MACHINE = MachineRoof(dtype="bfloat16", gemm_gflops=100.0, read_gbytes_per_s=10.0)
+
+
+def builtin_shape() -> ModelShape:
+    return ModelShape.from_folder(resolve(None).folder)
+
+
+def test_the_counted_parameters_are_the_model_files_less_norms_and_the_tied_embedding() -> None:
+    folder = resolve(None).folder
+    with safe_open(folder / "model.safetensors", "pt") as weights:
+        numels = {name: weights.get_slice(name).get_shape() for name in weights.keys()}  # noqa: SIM118
+    matmul_params = sum(
+        math.prod(shape)
+        for name, shape in numels.items()
+        if len(shape) == 2 and "embed" not in name
+    )
+    shape = builtin_shape()
+    assert shape.layer_params == matmul_params
+    embedding = next(s for name, s in numels.items() if "embed_tokens" in name)
+    assert shape.head_params == math.prod(embedding)  # the tied LM head reads the embedding
+
+
+def test_one_request_is_memory_bound_and_a_wide_batch_compute_bound() -> None:
+    shape = builtin_shape()
+    single = workload_roof(shape, MACHINE, [(100, 100)], concurrency=1)
+    assert single.bound == "memory"
+    weight_bytes = (shape.layer_params + shape.head_params) * 2
+    assert single.gbytes * 1e9 >= 100 * weight_bytes  # one step per output token
+    wide = workload_roof(shape, MACHINE, [(500, 100)] * 64, concurrency=64)
+    assert wide.bound == "compute"
+    assert math.isclose(wide.seconds, wide.gflop / MACHINE.gemm_gflops)
+
+
+def test_steps_are_bounded_by_the_longest_output_and_by_the_concurrency() -> None:
+    shape = builtin_shape()
+    weights = (shape.layer_params + shape.head_params) * 2
+    # One-token outputs read no context: the bytes are the weights, once per step.
+    assert math.isclose(workload_roof(shape, MACHINE, [(0, 1)] * 8, 4).gbytes * 1e9, 2 * weights)
+    # A 5-token output needs 5 steps however wide the batch, and reads 0+1+2+3+4 positions.
+    assert math.isclose(
+        workload_roof(shape, MACHINE, [(0, 1)] * 7 + [(0, 5)], 64).gbytes * 1e9,
+        5 * weights + 10 * shape.kv_bytes_per_position(2),
+    )
+
+
+def test_a_level_reports_its_fraction_of_the_roof() -> None:
+    shape = builtin_shape()
+    done = [RequestResult(ok=True, output_tokens=16, prompt_tokens=64) for _ in range(4)]
+    level = summarize(4, done, duration=2.0, roof=(shape, MACHINE))
+    expected = workload_roof(shape, MACHINE, [(64, 16)] * 4, 4).seconds
+    assert level.roof_s == expected
+    assert level.fraction_of_roof == expected / 2.0
+    uncounted = [*done, RequestResult(ok=True, output_tokens=16)]
+    assert math.isnan(summarize(4, uncounted, 2.0, (shape, MACHINE)).fraction_of_roof)
+    assert math.isnan(summarize(4, done, 2.0).fraction_of_roof)
+
+
+def test_roof_defaults_to_the_builtin_model_in_the_servers_dtype() -> None:
+    args = parse_args(["--roof", "--roof-dtype", "float32"])
+    assert args.roof == builtin_shape()
+    assert args.roof_dtype == "float32"
+    assert parse_args([]).roof is None
