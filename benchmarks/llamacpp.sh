@@ -132,7 +132,8 @@ gguf() {
             folder="${folder:-$(builtin_folder)}"
             local digest out
             digest="$("$PYTHON" -m llmpool.cli digest "$folder" | cut -d' ' -f1)"
-            out="$CACHE/gguf/${digest#sha256:}-bf16.gguf"
+            digest="${digest#sha256:}"
+            out="$CACHE/gguf/$(basename "$folder")-${digest:0:16}-bf16.gguf"
             if [[ ! -f "$out" ]]; then
                 local python
                 python="$(converter_python)"
