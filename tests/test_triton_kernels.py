@@ -42,6 +42,7 @@ from llmpool.engine.attention import (  # noqa: E402
 from llmpool.engine.attention.triton_backend import TRITON  # noqa: E402
 from llmpool.engine.kernels.capabilities import KernelCapabilities, probe_kernels  # noqa: E402
 from llmpool.engine.kv_cache import FP8_DTYPE, LayerKVCache, quantize_fp8  # noqa: E402
+from tests.conftest import small_config  # noqa: E402
 from tests.paged_batches import scattered_batch  # noqa: E402
 
 DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get
@@ -522,15 +523,7 @@ def test_engine_with_adapters_on_triton_matches_the_torch_backend(
     from llmpool.engine.lora.adapter import random_adapter
     from llmpool.engine.models.llama import LlamaShape
 
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        initializer_range=0.1,
-    )
+    config = small_config(LlamaConfig, intermediate_size=160)
     model = save_small_checkpoint(config, tmp_path / "model")
     shape = LlamaShape.from_hf_config(config)
     modules = [["q_proj", "v_proj", "down_proj"], ["k_proj", "o_proj", "gate_proj", "up_proj"]]
