@@ -149,7 +149,7 @@ def decode_bandwidth(
     """
     from llmpool.engine.attention import AttentionMetadata
     from llmpool.engine.attention.triton_backend import TRITON
-    from llmpool.engine.kv_cache import quantize_fp8
+    from llmpool.engine.kv_cache import LayerKVCache, quantize_fp8
 
     heads, kv_heads, head_dim, block_size, dtype = 32, 8, 128, 16, torch.bfloat16
     blocks_per_seq = math.ceil(context / block_size)
@@ -176,11 +176,9 @@ def decode_bandwidth(
         )
     query = torch.randn(num_seqs, heads, head_dim, dtype=dtype, device="cuda")
     plan = TRITON.plan(meta)
+    cache = LayerKVCache(key_cache, value_cache, k_scale, v_scale)
     seconds = cuda_time(
-        lambda: TRITON.paged_attention(
-            query, key_cache, value_cache, plan, head_dim**-0.5, k_scale, v_scale
-        ),
-        iters=20,
+        lambda: TRITON.paged_attention(query, cache, plan, head_dim**-0.5), iters=20
     )
     bandwidth = 2 * num_seqs * context * kv_heads * head_dim * key_cache.element_size() / seconds
     ratio = f"{bandwidth / reference:.0%} of copy"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,25 @@ def allocate_kv_caches(
         )
         for _ in range(num_layers)
     ]
+
+
+@dataclass(frozen=True)
+class LayerKVCache:
+    """One layer's paged K and V, each ``[num_blocks, block_size, kv_heads, head_dim]``, with
+    the per-tensor scales they are stored under: an fp8 cache holds ``K / k_scale`` and
+    ``V / v_scale``; a cache in the model's dtype holds K and V as they are (scales 1.0).
+
+    What a backend's ``write_kv`` fills and its ``paged_attention`` reads: the scales a block
+    was written under are the scales it must be read with, so they travel together.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_kv_scales(self.key.dtype, self.k_scale, self.v_scale)
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:

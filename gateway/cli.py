@@ -21,6 +21,18 @@ from llmpool.protocol.http import MAX_BODY_BYTES
 
 DEFAULT_PORT = 8080
 
+# The gateway's limits and routing knobs: flag, type, default (GatewaySettings' own), help.
+_TUNING: tuple[tuple[str, type, float, str], ...] = (
+    ("--max-requests", int, GatewaySettings.max_requests, "requests in progress at once, gateway-wide; beyond, a 503 with Retry-After"),
+    ("--max-buffered-body-mib", int, GatewaySettings.max_body_bytes // MIB, "request-body MiB held at once, gateway-wide, until each response begins; beyond, a 503 with Retry-After (at least 16: one body of the largest size)"),
+    ("--prefix-chars", int, routing.DEFAULT_PREFIX_CHARS, "prompt characters hashed for prefix affinity"),
+    ("--load-factor", float, routing.DEFAULT_LOAD_FACTOR, "a replica above this times the mean load loses its affinity traffic"),
+    ("--hold-timeout", float, GatewaySettings.hold_timeout, "seconds a request waits for a pool without ready replicas before a 503"),
+    ("--max-held", int, GatewaySettings.max_held, "requests held per pool at most while it has no ready replica; beyond, a 503"),
+    ("--scrape-interval", float, GatewaySettings.scrape_interval, "seconds between scrapes of each replica's /metrics and /fingerprint"),
+    ("--max-table-age", float, GatewaySettings.max_table_age, "seconds without word from the API server after which /ready is 503 (the routing table may no longer follow the pools)"),
+)  # fmt: skip
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -48,62 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         " namespace, each for its tenant's scope and limits (watched: rotation needs no restart)",
     )
     parser.add_argument(
-        "--max-requests",
-        type=int,
-        default=GatewaySettings.max_requests,
-        help="requests in progress at once, gateway-wide; beyond, a 503 with Retry-After",
-    )
-    parser.add_argument(
-        "--max-buffered-body-mib",
-        type=int,
-        default=GatewaySettings.max_body_bytes // MIB,
-        help="request-body MiB held at once, gateway-wide, until each response begins;"
-        " beyond, a 503 with Retry-After (at least 16: one body of the largest size)",
-    )
-    parser.add_argument(
-        "--prefix-chars",
-        type=int,
-        default=routing.DEFAULT_PREFIX_CHARS,
-        help="prompt characters hashed for prefix affinity",
-    )
-    parser.add_argument(
-        "--load-factor",
-        type=float,
-        default=routing.DEFAULT_LOAD_FACTOR,
-        help="a replica above this times the mean load loses its affinity traffic",
-    )
-    parser.add_argument(
-        "--hold-timeout",
-        type=float,
-        default=GatewaySettings.hold_timeout,
-        help="seconds a request waits for a pool without ready replicas before a 503",
-    )
-    parser.add_argument(
-        "--max-held",
-        type=int,
-        default=GatewaySettings.max_held,
-        help="requests held per pool at most while it has no ready replica; beyond, a 503",
-    )
-    parser.add_argument(
         "--no-record-demand",
         dest="record_demand",
         action="store_false",
         help="do not record held requests in the pool's LLMPoolDemand status for the operator's"
         " autoscaler; needs no patch permission on llmpooldemands/status",
     )
-    parser.add_argument(
-        "--scrape-interval",
-        type=float,
-        default=GatewaySettings.scrape_interval,
-        help="seconds between scrapes of each replica's /metrics and /fingerprint",
-    )
-    parser.add_argument(
-        "--max-table-age",
-        type=float,
-        default=GatewaySettings.max_table_age,
-        help="seconds without word from the API server after which /ready is 503 (the routing"
-        " table may no longer follow the pools)",
-    )
+    for flag, kind, default, help in _TUNING:
+        parser.add_argument(flag, type=kind, default=default, help=help)
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
     return parser
 

@@ -8,38 +8,38 @@ from prometheus_client import Counter, Gauge, start_http_server
 
 from llmpool.operator.autoscaling import CHANGES
 
-DRIFTED_REPLICAS = Gauge(
-    "llmpool_operator_drifted_replicas",
+POOL_LABELS = ("namespace", "pool")
+
+
+def _pool_gauge(name: str, doc: str) -> Gauge:
+    """A gauge of each pool, named under ``llmpool_operator_`` and labelled by the pool."""
+    return Gauge(f"llmpool_operator_{name}", doc, POOL_LABELS)
+
+
+def _pool_counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+    """A counter of each pool (``_total``), labelled by the pool before ``labels``."""
+    return Counter(f"llmpool_operator_{name}_total", doc, [*POOL_LABELS, *labels])
+
+
+DRIFTED_REPLICAS = _pool_gauge(
+    "drifted_replicas",
     "Replicas of a pool whose fingerprint differs from the pin or from their siblings",
-    ["namespace", "pool"],
 )
-READY_REPLICAS = Gauge(
-    "llmpool_operator_ready_replicas", "Ready engine replicas of a pool", ["namespace", "pool"]
+READY_REPLICAS = _pool_gauge("ready_replicas", "Ready engine replicas of a pool")
+RECREATED_PODS = _pool_counter("recreated_pods", "Drifted pods deleted under drift policy Recreate")
+FINGERPRINT_ERRORS = _pool_counter(
+    "fingerprint_errors", "GET /fingerprint requests to ready pods that failed"
 )
-RECREATED_PODS = Counter(
-    "llmpool_operator_recreated_pods_total",
-    "Drifted pods deleted under drift policy Recreate",
-    ["namespace", "pool"],
-)
-FINGERPRINT_ERRORS = Counter(
-    "llmpool_operator_fingerprint_errors_total",
-    "GET /fingerprint requests to ready pods that failed",
-    ["namespace", "pool"],
-)
-DESIRED_REPLICAS = Gauge(
-    "llmpool_operator_desired_replicas",
+DESIRED_REPLICAS = _pool_gauge(
+    "desired_replicas",
     "Replicas the operator asks of a pool's Deployment (spec.replicas or the autoscaler's)",
-    ["namespace", "pool"],
 )
-POOL_LOAD = Gauge(
-    "llmpool_operator_pool_load",
+POOL_LOAD = _pool_gauge(
+    "pool_load",
     "An autoscaled pool's load: requests running, waiting and held, averaged over its window",
-    ["namespace", "pool"],
 )
-SCALINGS = Counter(
-    "llmpool_operator_scalings_total",
-    "Replica count changes made by the autoscaler, by reason",
-    ["namespace", "pool", "reason"],
+SCALINGS = _pool_counter(
+    "scalings", "Replica count changes made by the autoscaler, by reason", ("reason",)
 )
 POOL_METRICS = (
     DRIFTED_REPLICAS,

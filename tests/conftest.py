@@ -89,6 +89,26 @@ def fp8_kv_engine() -> EngineCore:
     return float32_engine(kv_cache_dtype="fp8")
 
 
+# A 2-layer model over the built-in tokenizer's vocabulary: what tests that write their own
+# checkpoints (save_small_checkpoint) configure. initializer_range 0.1 peaks the logits, so
+# that no near-ties let argmax flip between implementations.
+SMALL_MODEL: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "vocab_size": 49152,
+}
+
+
+def small_config(config_class: Any, **overrides: Any) -> Any:
+    """An HF config of ``config_class`` (LlamaConfig, Qwen2Config...) of ``SMALL_MODEL``'s size."""
+    return config_class(**(SMALL_MODEL | overrides))
+
+
 @pytest.fixture(scope="session")
 def save_small_checkpoint(builtin_folder: Path) -> Callable[[Any, Path], Path]:
     """Writes a randomly initialised model of an HF config, with the built-in model's tokenizer,

@@ -22,6 +22,7 @@ from llmpool.engine.kv_cache import (
     FP8_KV_SCALE_HEADROOM,
     FP8_MAX,
     KV_CALIBRATION_TEXT,
+    LayerKVCache,
     fp8_kv_scale,
 )
 from llmpool.engine.models.llama import LlamaForCausalLM
@@ -153,22 +154,15 @@ def attend(
     num_tokens, num_kv_heads, head_dim = key.shape
     block_size = 16
     num_blocks = -(-num_tokens // block_size)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, :],
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
-        block_size=block_size,
-    )
+    meta = AttentionMetadata.one_sequence(num_tokens, block_size, torch.device("cpu"))
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.zeros(cache_shape, dtype=cache_dtype)
-    value_cache = torch.zeros(cache_shape, dtype=cache_dtype)
-    backend.write_kv(key, value, key_cache, value_cache, meta.slot_mapping, *scales)
-    return backend.paged_attention(
-        query, key_cache, value_cache, backend.plan(meta), softmax_scale, *scales
+    cache = LayerKVCache(
+        torch.zeros(cache_shape, dtype=cache_dtype),
+        torch.zeros(cache_shape, dtype=cache_dtype),
+        *scales,
     )
+    backend.write_kv(key, value, cache, meta.slot_mapping)
+    return backend.paged_attention(query, cache, backend.plan(meta), softmax_scale)
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])

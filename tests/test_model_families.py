@@ -12,24 +12,14 @@ import pytest
 import torch
 
 from llmpool.engine import LLM, SamplingParams
-
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.1,  # peaked logits: no near-ties for argmax to flip on
-    vocab_size=49152,
-)
+from tests.conftest import small_config
 
 
 def llama_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        **SMALL,
+    return small_config(
+        LlamaConfig,
         rope_scaling={
             "rope_type": "llama3",
             "factor": 8.0,
@@ -43,13 +33,13 @@ def llama_config():
 def qwen2_config():
     from transformers import Qwen2Config
 
-    return Qwen2Config(**SMALL, tie_word_embeddings=True)
+    return small_config(Qwen2Config, tie_word_embeddings=True)
 
 
 def mistral_config():
     from transformers import MistralConfig
 
-    return MistralConfig(**SMALL, sliding_window=None)
+    return small_config(MistralConfig, sliding_window=None)
 
 
 @pytest.fixture(scope="module", params=[llama_config, qwen2_config, mistral_config])

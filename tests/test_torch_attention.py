@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from llmpool.engine.attention import (
     TORCH,
-    AttentionMetadata,
     Backend,
     check_kv_cache_dtype,
     select_backend,
@@ -18,7 +17,8 @@ from llmpool.engine.attention import (
 from llmpool.engine.attention.torch_backend import plan
 from llmpool.engine.kernels import c_loader, cpu_decode, cpu_lora
 from llmpool.engine.kernels.capabilities import KernelCapabilities, probe_kernels
-from llmpool.engine.kv_cache import FP8_DTYPE
+from llmpool.engine.kv_cache import FP8_DTYPE, LayerKVCache
+from tests.paged_batches import scattered_batch
 
 KERNELS = probe_kernels(torch.device("cpu"))
 CPU = select_backend(torch.device("cpu"), "cpu", kernels=KERNELS)
@@ -42,35 +42,6 @@ def _dense_attention(
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), value)
 
 
-def _paged_batch(
-    seq_lens: list[int], query_lens: list[int], block_size: int, seed: int
-) -> tuple[AttentionMetadata, list[int]]:
-    """Metadata with each sequence's blocks scattered over a shuffled pool; returns the slots of
-    every sequence's positions, sequence after sequence."""
-    generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    physical = torch.randperm(sum(blocks_per_seq) + 2, generator=generator).tolist()
-    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-    all_slots, query_slots = [], []
-    for row, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        table = [physical.pop() for _ in range(blocks_per_seq[row])]
-        block_tables[row, : len(table)] = torch.tensor(table)
-        slots = [table[pos // block_size] * block_size + pos % block_size for pos in range(seq_len)]
-        all_slots += slots
-        query_slots += slots[seq_len - query_len :]
-    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(query_slots),
-        query_start_loc=query_start_loc.to(torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-    )
-    return meta, all_slots
-
-
 def _check(
     seq_lens: list[int],
     query_lens: list[int],
@@ -80,24 +51,21 @@ def _check(
     dtype: torch.dtype = torch.float32,
     head_dim: int = HEAD_DIM,
 ) -> None:
-    meta, all_slots = _paged_batch(seq_lens, query_lens, block_size, seed=len(seq_lens))
+    batch = scattered_batch(seq_lens, query_lens, block_size, seed=len(seq_lens))
     generator = torch.Generator().manual_seed(sum(seq_lens))
     total = sum(seq_lens)
     keys = torch.randn(total, NUM_KV_HEADS, head_dim, generator=generator).to(dtype)
     values = torch.randn(total, NUM_KV_HEADS, head_dim, generator=generator).to(dtype)
     num_heads = NUM_KV_HEADS * queries_per_kv
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
-    num_slots = (len(all_slots) // block_size + 2 + len(seq_lens)) * block_size
-    key_cache = torch.zeros(
-        num_slots // block_size, block_size, NUM_KV_HEADS, head_dim, dtype=dtype
-    )
-    value_cache = torch.zeros_like(key_cache)
-    backend.write_kv(keys, values, key_cache, value_cache, torch.tensor(all_slots))
+    key_cache = torch.zeros(batch.num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype=dtype)
+    cache = LayerKVCache(key_cache, torch.zeros_like(key_cache))
+    backend.write_kv(keys, values, cache, torch.tensor(batch.all_slots))
     scale = head_dim**-0.5
     # bfloat16 outputs are rounded once: within a step of bfloat16's 8-bit mantissa.
     atol, rtol = (2e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)
 
-    actual = backend.paged_attention(query, key_cache, value_cache, backend.plan(meta), scale)
+    actual = backend.paged_attention(query, cache, backend.plan(batch.meta), scale)
 
     token_start = query_start = 0
     for seq_len, query_len in zip(seq_lens, query_lens, strict=True):
@@ -177,8 +145,8 @@ def probed_anew(monkeypatch: pytest.MonkeyPatch) -> KernelCapabilities:
 
 def test_plan_cuts_context_groups_and_keeps_every_query_once() -> None:
     seq_lens = [700, 20, 690, 170, 40]
-    meta, _ = _paged_batch(seq_lens, [1] * len(seq_lens), block_size=16, seed=0)
-    groups = plan(meta).groups
+    batch = scattered_batch(seq_lens, [1] * len(seq_lens), block_size=16, seed=0)
+    groups = plan(batch.meta).groups
     widths = sorted(group.block_tables.shape[1] for group in groups)
     # 20 and 40 tokens share a group (2 and 3 blocks); 170 is alone (11); 690 and 700 (44).
     assert widths == [3, 11, 44]

@@ -8,7 +8,6 @@ before Triton is imported, because Triton reads it when a kernel is decorated.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -36,14 +35,15 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 
 from llmpool.engine.attention import (  # noqa: E402
     TORCH,
-    AttentionMetadata,
     check_fp8_capability,
     check_kv_cache_dtype,
     select_backend,
 )
 from llmpool.engine.attention.triton_backend import TRITON  # noqa: E402
 from llmpool.engine.kernels.capabilities import KernelCapabilities, probe_kernels  # noqa: E402
-from llmpool.engine.kv_cache import FP8_DTYPE, quantize_fp8  # noqa: E402
+from llmpool.engine.kv_cache import FP8_DTYPE, LayerKVCache, quantize_fp8  # noqa: E402
+from tests.conftest import small_config  # noqa: E402
+from tests.paged_batches import scattered_batch  # noqa: E402
 
 DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get
 # fp32 must agree to rounding-order noise; fp16 rounds the softmax probabilities to fp16
@@ -70,37 +70,6 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
 
 
-def _batch(
-    query_lens: list[int], seq_lens: list[int], block_size: int, device: torch.device, seed: int
-) -> tuple[AttentionMetadata, int]:
-    """Metadata for sequences with shuffled physical blocks; returns it and the block count."""
-    generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3  # spare blocks, so stray reads would show up
-    physical = torch.randperm(num_blocks, generator=generator)
-    max_blocks = max(blocks_per_seq)
-    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    slots = []
-    used = 0
-    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        table = physical[used : used + blocks_per_seq[i]]
-        used += blocks_per_seq[i]
-        block_tables[i, : len(table)] = table
-        for pos in range(seq_len - query_len, seq_len):
-            slots.append(int(table[pos // block_size]) * block_size + pos % block_size)
-    start_loc = torch.tensor([0, *torch.cumsum(torch.tensor(query_lens), 0).tolist()])
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=start_loc.to(torch.int32).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-    )
-    return meta, num_blocks
-
-
 def _check_attention(
     query_lens: list[int],
     seq_lens: list[int],
@@ -120,13 +89,14 @@ def _check_attention(
     get the scales, and the torch result is first checked against attention over the
     dequantized cache, so a scale applied twice or not at all fails either way.
     """
-    meta, num_blocks = _batch(query_lens, seq_lens, block_size, device, seed)
+    batch = scattered_batch(seq_lens, query_lens, block_size, seed, device)
+    meta = batch.meta
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
 
-    cache_shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    cache_shape = (batch.num_blocks, block_size, NUM_KV_HEADS, head_dim)
     key_cache, value_cache = randn(*cache_shape), randn(*cache_shape)
     query = randn(meta.num_tokens, NUM_KV_HEADS * queries_per_kv, head_dim)
     scale = head_dim**-0.5
@@ -137,19 +107,20 @@ def _check_attention(
             quantize_fp8(value_cache, v_scale),
         )
 
+    cache = LayerKVCache(key_cache, value_cache, k_scale, v_scale)
     torch_plan = TORCH.plan(meta)
-    expected = TORCH.paged_attention(
-        query, key_cache, value_cache, torch_plan, scale, k_scale, v_scale
-    )
+    expected = TORCH.paged_attention(query, cache, torch_plan, scale)
     if fp8_scales:
-        dequantized = [
-            (cache.float() * s).to(dtype)
-            for cache, s in ((key_cache, k_scale), (value_cache, v_scale))
-        ]
-        reference = TORCH.paged_attention(query, *dequantized, torch_plan, scale)
+        dequantized = LayerKVCache(
+            *(
+                (tensor.float() * s).to(dtype)
+                for tensor, s in ((key_cache, k_scale), (value_cache, v_scale))
+            )
+        )
+        reference = TORCH.paged_attention(query, dequantized, torch_plan, scale)
         torch.testing.assert_close(expected, reference, **ATTENTION_TOL[dtype])
     plan = dataclasses.replace(TRITON.plan(meta), num_splits=num_splits)
-    actual = TRITON.paged_attention(query, key_cache, value_cache, plan, scale, k_scale, v_scale)
+    actual = TRITON.paged_attention(query, cache, plan, scale)
     torch.testing.assert_close(actual, expected, **ATTENTION_TOL[dtype])
 
 
@@ -363,11 +334,8 @@ def test_auto_runs_an_fp8_cache_on_torch_where_triton_lacks_e4m3(
 
 def test_scales_are_refused_for_a_cache_in_the_model_dtype(device: torch.device) -> None:
     cache = torch.zeros(1, 16, NUM_KV_HEADS, HEAD_DIM, device=device)
-    key = torch.ones(1, NUM_KV_HEADS, HEAD_DIM, device=device)
-    slots = torch.zeros(1, dtype=torch.int64, device=device)
-    for backend in (TORCH, TRITON):
-        with pytest.raises(ValueError, match="fp8 cache only"):
-            backend.write_kv(key, key, cache, cache, slots, 0.5, 1.0)
+    with pytest.raises(ValueError, match="fp8 cache only"):
+        LayerKVCache(cache, cache, 0.5, 1.0)
 
 
 def _write_with_both_backends(
@@ -385,7 +353,7 @@ def _write_with_both_backends(
             torch.zeros(cache_shape, dtype=cache_dtype or qkv.dtype, device=qkv.device)
             for _ in range(2)
         )
-        backend.write_kv(key, value, key_cache, value_cache, slots, *scales)
+        backend.write_kv(key, value, LayerKVCache(key_cache, value_cache, *scales), slots)
         written.append((key_cache, value_cache))
     return written
 
@@ -436,7 +404,8 @@ def test_write_kv_skips_negative_slots(device: torch.device) -> None:
     key = torch.ones(2, NUM_KV_HEADS, HEAD_DIM, device=device)
     key_cache = torch.zeros(2, 16, NUM_KV_HEADS, HEAD_DIM, device=device)
     value_cache = torch.zeros_like(key_cache)
-    TRITON.write_kv(key, key, key_cache, value_cache, torch.tensor([-1, 17], device=device))
+    slots = torch.tensor([-1, 17], device=device)
+    TRITON.write_kv(key, key, LayerKVCache(key_cache, value_cache), slots)
     assert key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[17].eq(1).all()
     assert key_cache.sum() == NUM_KV_HEADS * HEAD_DIM
 
@@ -554,15 +523,7 @@ def test_engine_with_adapters_on_triton_matches_the_torch_backend(
     from llmpool.engine.lora.adapter import random_adapter
     from llmpool.engine.models.llama import LlamaShape
 
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        initializer_range=0.1,
-    )
+    config = small_config(LlamaConfig, intermediate_size=160)
     model = save_small_checkpoint(config, tmp_path / "model")
     shape = LlamaShape.from_hf_config(config)
     modules = [["q_proj", "v_proj", "down_proj"], ["k_proj", "o_proj", "gate_proj", "up_proj"]]

@@ -21,6 +21,7 @@ import torch
 from llmpool.engine.attention import torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
 from llmpool.engine.kernels import cpu_decode
+from llmpool.engine.kv_cache import LayerKVCache
 
 
 @dataclass
@@ -60,33 +61,25 @@ def check_cache_dtype(dtype: torch.dtype) -> None:
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    attention_plan: CpuAttentionPlan,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    query: torch.Tensor, cache: LayerKVCache, attention_plan: CpuAttentionPlan, scale: float
 ) -> torch.Tensor:
     """``torch_backend.paged_attention``'s contract, for caches of the query's dtype (bfloat16
     or float32, so unscaled: ``select_backend`` picks this backend only for those)."""
-    check_cache_dtype(key_cache.dtype)
-    if key_cache.dtype != query.dtype or (k_scale, v_scale) != (1.0, 1.0):
+    check_cache_dtype(cache.key.dtype)
+    if cache.key.dtype != query.dtype or (cache.k_scale, cache.v_scale) != (1.0, 1.0):
         raise ValueError("the cpu attention backend reads caches of the query's dtype, unscaled")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+    if not (cache.key.is_contiguous() and cache.value.is_contiguous()):
         raise ValueError("the cpu attention backend reads contiguous caches")  # raw pointers
     decode = functools.partial(
         cpu_decode.paged_decode,
-        key_cache=key_cache,
-        value_cache=value_cache,
+        key_cache=cache.key,
+        value_cache=cache.value,
         block_tables=attention_plan.decode_block_tables,
         seq_lens=attention_plan.decode_seq_lens,
         scale=scale,
     )
     if attention_plan.only_decodes:
         return decode(query.contiguous())
-    out = torch_backend.paged_attention(
-        query, key_cache, value_cache, attention_plan.torch_plan, scale
-    )
+    out = torch_backend.paged_attention(query, cache, attention_plan.torch_plan, scale)
     decode_out = decode(query.index_select(0, attention_plan.decode_rows))
     return out.index_copy_(0, attention_plan.decode_rows, decode_out)

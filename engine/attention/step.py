@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmpool.engine.attention.metadata import AttentionMetadata
+from llmpool.engine.kv_cache import LayerKVCache
 
 if TYPE_CHECKING:
     from llmpool.engine.attention import Backend
@@ -55,14 +56,16 @@ def attention(
     k_scale: float,
     v_scale: float,
 ) -> torch.Tensor:
-    """Write ``key``/``value`` at the step's slots and attend ``query`` over the paged cache."""
+    """Write ``key``/``value`` at the step's slots and attend ``query`` over the paged cache.
+
+    The op's schema takes tensors and floats only, so the layer's cache is passed in pieces
+    and joined here into the :class:`LayerKVCache` the backends take."""
     step = _current
     if step is None:
         raise RuntimeError("attention() runs only inside step_attention()")
-    step.backend.write_kv(key, value, key_cache, value_cache, step.slot_mapping, k_scale, v_scale)
-    return step.backend.paged_attention(
-        query, key_cache, value_cache, step.plan, scale, k_scale, v_scale
-    )
+    cache = LayerKVCache(key_cache, value_cache, k_scale, v_scale)
+    step.backend.write_kv(key, value, cache, step.slot_mapping)
+    return step.backend.paged_attention(query, cache, step.plan, scale)
 
 
 # Defined with the low-level Library API: ``torch.library.custom_op``'s wrapper costs ~15 us a

@@ -8,28 +8,21 @@ import torch
 import torch.nn.functional as F
 
 from llmpool.engine.attention.metadata import AttentionMetadata
-from llmpool.engine.kv_cache import FP8_DTYPE, check_kv_scales, quantize_fp8
+from llmpool.engine.kv_cache import FP8_DTYPE, LayerKVCache, quantize_fp8
 
 
 def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor
 ) -> None:
     """Store ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` at their cache slots.
 
-    Caches are ``[num_blocks, block_size, kv_heads, head_dim]``; slot ``s`` is row
-    ``s // block_size``, offset ``s % block_size``. An fp8 cache stores ``x / scale``
-    (``quantize_fp8``), copied as bytes: index_copy_ has no float8 kernel on CPU.
+    Slot ``s`` is block ``s // block_size``, offset ``s % block_size``. An fp8 cache stores
+    ``x / scale`` (``quantize_fp8``), copied as bytes: index_copy_ has no float8 kernel on CPU.
     """
-    check_kv_scales(key_cache.dtype, k_scale, v_scale)
+    key_cache, value_cache = cache.key, cache.value
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     if key_cache.dtype == FP8_DTYPE:
-        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
+        key, value = quantize_fp8(key, cache.k_scale), quantize_fp8(value, cache.v_scale)
         key, value = key.view(torch.uint8), value.view(torch.uint8)
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
@@ -144,21 +137,15 @@ def _group(
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    attention_plan: TorchAttentionPlan,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    query: torch.Tensor, cache: LayerKVCache, attention_plan: TorchAttentionPlan, scale: float
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[num_tokens, heads, head_dim]`` over paged K/V.
 
     The cache holds ``K / k_scale`` and ``V / v_scale``: ``k_scale`` joins the softmax scale
     and ``v_scale`` multiplies the output, which is the same as dequantizing every row read.
     """
-    check_kv_scales(key_cache.dtype, k_scale, v_scale)
-    scale *= k_scale
+    key_cache, value_cache, v_scale = cache.key, cache.value, cache.v_scale
+    scale *= cache.k_scale
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     out = torch.empty_like(query)

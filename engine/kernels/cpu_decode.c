@@ -75,9 +75,22 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 static inline float same_float(float number) { return number; }
 
+/* Where each of a sequence's positions lies in the cache, for one KV head: the offset (in
+ * elements) of its row, from the block table walked once, block by block (no division per
+ * position), so that the K pass and the V pass index their rows by position. */
+static inline void position_rows(const int64_t *table, int64_t length, int64_t block_size,
+                                 int64_t token_stride, int64_t head_offset, int64_t *rows) {
+    for (int64_t start = 0; start < length; start += block_size) {
+        const int64_t base = table[start / block_size] * block_size;
+        const int64_t stop = length - start < block_size ? length - start : block_size;
+        for (int64_t offset = 0; offset < stop; ++offset)
+            rows[start + offset] = (base + offset) * token_stride + head_offset;
+    }
+}
+
 /* One work item is a (sequence, KV head): the query heads that share the KV head are attended
- * together, so each K and V row is read and converted once. Positions are walked block by
- * block (no division per position); the scores are kept, then exponentiated in one vector loop
+ * together, so each K and V row is read and converted once. Positions are found in the cache
+ * once (``position_rows``); the scores are kept, then exponentiated in one vector loop
  * (``exp_nonpositive``), then V is summed with those weights. */
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE, HEAD_DIM)                                       \
 void NAME(const T *query, const T *key_cache, const T *value_cache,                               \
@@ -92,6 +105,7 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
     _Pragma("omp parallel")                                                                       \
     {                                                                                             \
         float *scores = malloc(sizeof(float) * (size_t)(group * longest));                        \
+        int64_t *rows = malloc(sizeof(int64_t) * (size_t)longest);                                \
         float *q = malloc(sizeof(float) * (size_t)(group * head_dim));                            \
         float *acc = malloc(sizeof(float) * (size_t)(group * head_dim));                          \
         float *row = malloc(sizeof(float) * (size_t)head_dim);                                    \
@@ -102,17 +116,13 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
             const int64_t *table = block_tables + seq * max_blocks;                               \
             const T *q_in = query + (seq * num_heads + kv_head * group) * head_dim;               \
             for (int64_t i = 0; i < group * head_dim; ++i) q[i] = LOAD(q_in[i]) * scale;          \
-            for (int64_t start = 0; start < length; start += block_size) {                        \
-                const int64_t base = table[start / block_size] * block_size;                      \
-                const int64_t stop = length - start < block_size ? length - start : block_size;   \
-                for (int64_t offset = 0; offset < stop; ++offset) {                               \
-                    const T *k = key_cache + (base + offset) * token_stride + kv_head * head_dim; \
-                    _Pragma("omp simd")                                                           \
-                    for (int64_t d = 0; d < head_dim; ++d) row[d] = LOAD(k[d]);                   \
-                    for (int64_t g = 0; g < group; ++g) {                                         \
-                        scores[g * length + start + offset] = dot(q + g * head_dim, row, head_dim); \
-                    }                                                                             \
-                }                                                                                 \
+            position_rows(table, length, block_size, token_stride, kv_head * head_dim, rows);     \
+            for (int64_t t = 0; t < length; ++t) {                                                \
+                const T *k = key_cache + rows[t];                                                 \
+                _Pragma("omp simd")                                                               \
+                for (int64_t d = 0; d < head_dim; ++d) row[d] = LOAD(k[d]);                       \
+                for (int64_t g = 0; g < group; ++g)                                               \
+                    scores[g * length + t] = dot(q + g * head_dim, row, head_dim);                \
             }                                                                                     \
             for (int64_t g = 0; g < group; ++g) {                                                 \
                 float *sg = scores + g * length;                                                  \
@@ -120,7 +130,7 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
                 for (int64_t t = 0; t < length; ++t) best = sg[t] > best ? sg[t] : best;          \
                 _Pragma("omp simd reduction(+:total)")                                            \
                 for (int64_t t = 0; t < length; ++t) {                                            \
-                    sg[t] = exp_nonpositive(sg[t] - best);                                                   \
+                    sg[t] = exp_nonpositive(sg[t] - best);                                        \
                     total += sg[t];                                                               \
                 }                                                                                 \
                 const float inverse = 1.0f / total;                                               \
@@ -128,25 +138,22 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
                 for (int64_t t = 0; t < length; ++t) sg[t] *= inverse;                            \
             }                                                                                     \
             memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));                           \
-            for (int64_t start = 0; start < length; start += block_size) {                        \
-                const int64_t base = table[start / block_size] * block_size;                      \
-                const int64_t stop = length - start < block_size ? length - start : block_size;   \
-                for (int64_t offset = 0; offset < stop; ++offset) {                               \
-                    const T *v = value_cache + (base + offset) * token_stride + kv_head * head_dim; \
+            for (int64_t t = 0; t < length; ++t) {                                                \
+                const T *v = value_cache + rows[t];                                               \
+                _Pragma("omp simd")                                                               \
+                for (int64_t d = 0; d < head_dim; ++d) row[d] = LOAD(v[d]);                       \
+                for (int64_t g = 0; g < group; ++g) {                                             \
+                    const float weight = scores[g * length + t];                                  \
+                    float *ag = acc + g * head_dim;                                               \
                     _Pragma("omp simd")                                                           \
-                    for (int64_t d = 0; d < head_dim; ++d) row[d] = LOAD(v[d]);                   \
-                    for (int64_t g = 0; g < group; ++g) {                                         \
-                        const float weight = scores[g * length + start + offset];                 \
-                        float *ag = acc + g * head_dim;                                           \
-                        _Pragma("omp simd")                                                       \
-                        for (int64_t d = 0; d < head_dim; ++d) ag[d] += weight * row[d];          \
-                    }                                                                             \
+                    for (int64_t d = 0; d < head_dim; ++d) ag[d] += weight * row[d];              \
                 }                                                                                 \
             }                                                                                     \
             T *o = out + (seq * num_heads + kv_head * group) * head_dim;                          \
             for (int64_t i = 0; i < group * head_dim; ++i) o[i] = STORE(acc[i]);                  \
         }                                                                                         \
         free(scores);                                                                             \
+        free(rows);                                                                               \
         free(q);                                                                                  \
         free(acc);                                                                                \
         free(row);                                                                                \
@@ -192,7 +199,7 @@ static inline __m512 exp16_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, whole);
 }
 
-#define DEFINE_PAGED_DECODE_AVX512(NAME, T, LOAD16, STORE16, PORTABLE, HEAD_DIM)                   \
+#define DEFINE_PAGED_DECODE_AVX512(NAME, T, LOAD16, STORE16, PORTABLE, HEAD_DIM)                  \
 void NAME(const T *query, const T *key_cache, const T *value_cache,                               \
           const int64_t *block_tables, const int64_t *seq_lens, T *out,                           \
           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t any_head_dim,        \
@@ -209,13 +216,14 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
     for (int64_t s = 0; s < num_seqs; ++s) longest = seq_lens[s] > longest ? seq_lens[s] : longest; \
     _Pragma("omp parallel")                                                                       \
     {                                                                                             \
+        int64_t *rows = malloc(sizeof(int64_t) * (size_t)longest);                                \
         float *scores = malloc(sizeof(float) * (size_t)(group * longest + 16));                   \
         _Pragma("omp for schedule(dynamic, 1)")                                                   \
         for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {                          \
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;               \
+            const T *q_in = query + (seq * num_heads + kv_head * group) * HEAD_DIM;               \
             const int64_t length = seq_lens[seq];                                                 \
             const int64_t *table = block_tables + seq * max_blocks;                               \
-            const T *q_in = query + (seq * num_heads + kv_head * group) * HEAD_DIM;               \
             __m512 q[MAX_GROUP][V], acc[MAX_GROUP][V];                                            \
             for (int64_t g = 0; g < group; ++g)                                                   \
                 for (int j = 0; j < V; ++j) {                                                     \
@@ -223,18 +231,15 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
                                             _mm512_set1_ps(scale));                               \
                     acc[g][j] = _mm512_setzero_ps();                                              \
                 }                                                                                 \
-            for (int64_t start = 0; start < length; start += block_size) {                        \
-                const int64_t base = table[start / block_size] * block_size;                      \
-                const int64_t stop = length - start < block_size ? length - start : block_size;   \
-                for (int64_t offset = 0; offset < stop; ++offset) {                               \
-                    const T *k = key_cache + (base + offset) * token_stride + kv_head * HEAD_DIM; \
-                    __m512 row[V];                                                                \
-                    for (int j = 0; j < V; ++j) row[j] = LOAD16(k + 16 * j);                      \
-                    for (int64_t g = 0; g < group; ++g) {                                         \
-                        __m512 sum = _mm512_mul_ps(q[g][0], row[0]);                              \
-                        for (int j = 1; j < V; ++j) sum = _mm512_fmadd_ps(q[g][j], row[j], sum);  \
-                        scores[g * length + start + offset] = _mm512_reduce_add_ps(sum);          \
-                    }                                                                             \
+            position_rows(table, length, block_size, token_stride, kv_head * HEAD_DIM, rows);     \
+            for (int64_t t = 0; t < length; ++t) {                                                \
+                const T *k = key_cache + rows[t];                                                 \
+                __m512 row[V];                                                                    \
+                for (int j = 0; j < V; ++j) row[j] = LOAD16(k + 16 * j);                          \
+                for (int64_t g = 0; g < group; ++g) {                                             \
+                    __m512 sum = _mm512_mul_ps(q[g][0], row[0]);                                  \
+                    for (int j = 1; j < V; ++j) sum = _mm512_fmadd_ps(q[g][j], row[j], sum);      \
+                    scores[g * length + t] = _mm512_reduce_add_ps(sum);                           \
                 }                                                                                 \
             }                                                                                     \
             float inverse[MAX_GROUP];                                                             \
@@ -255,17 +260,13 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
                 }                                                                                 \
                 inverse[g] = 1.0f / _mm512_reduce_add_ps(total);                                  \
             }                                                                                     \
-            for (int64_t start = 0; start < length; start += block_size) {                        \
-                const int64_t base = table[start / block_size] * block_size;                      \
-                const int64_t stop = length - start < block_size ? length - start : block_size;   \
-                for (int64_t offset = 0; offset < stop; ++offset) {                               \
-                    const T *v = value_cache + (base + offset) * token_stride + kv_head * HEAD_DIM; \
-                    __m512 row[V];                                                                \
-                    for (int j = 0; j < V; ++j) row[j] = LOAD16(v + 16 * j);                      \
-                    for (int64_t g = 0; g < group; ++g) {                                         \
-                        const __m512 w = _mm512_set1_ps(scores[g * length + start + offset]);     \
-                        for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(w, row[j], acc[g][j]); \
-                    }                                                                             \
+            for (int64_t t = 0; t < length; ++t) {                                                \
+                const T *v = value_cache + rows[t];                                               \
+                __m512 row[V];                                                                    \
+                for (int j = 0; j < V; ++j) row[j] = LOAD16(v + 16 * j);                          \
+                for (int64_t g = 0; g < group; ++g) {                                             \
+                    const __m512 w = _mm512_set1_ps(scores[g * length + t]);                      \
+                    for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(w, row[j], acc[g][j]); \
                 }                                                                                 \
             }                                                                                     \
             T *o = out + (seq * num_heads + kv_head * group) * HEAD_DIM;                          \
@@ -275,6 +276,7 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
                             _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inverse[g])));                \
         }                                                                                         \
         free(scores);                                                                             \
+        free(rows);                                                                               \
     }                                                                                             \
 }
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from llmpool.engine.kernels.common import strides
-from llmpool.engine.kv_cache import FP8_DTYPE, FP8_MAX, check_kv_scales
+from llmpool.engine.kv_cache import FP8_DTYPE, FP8_MAX, LayerKVCache
 
 
 @triton.jit
@@ -94,22 +94,12 @@ def _write_kv_kernel(
 
 
 def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor
 ) -> None:
-    """Store ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` at their cache slots.
-
-    Caches are ``[num_blocks, block_size, kv_heads, head_dim]``; slot ``s`` is block
-    ``s // block_size``, offset ``s % block_size``. Negative slots are skipped. An fp8 cache
-    stores ``x / scale`` as ``kv_cache.quantize_fp8`` does, bit for bit.
-    """
+    """``torch_backend.write_kv``'s contract on the GPU; negative slots (padding tokens) are
+    skipped. An fp8 cache stores ``x / scale`` as ``kv_cache.quantize_fp8`` does, bit for bit."""
     num_tokens, num_kv_heads, head_dim = key.shape
-    check_kv_scales(key_cache.dtype, k_scale, v_scale)
+    key_cache, value_cache = cache.key, cache.value
     if num_tokens == 0:
         return
     for tensor in (key, value, key_cache, value_cache):
@@ -121,8 +111,8 @@ def write_kv(
         key_cache,
         value_cache,
         slot_mapping,
-        1.0 / k_scale,
-        1.0 / v_scale,
+        1.0 / cache.k_scale,
+        1.0 / cache.v_scale,
         *strides(key, value, dims=2),
         *strides(key_cache, value_cache, dims=3),
         NUM_KV_HEADS=num_kv_heads,

@@ -68,15 +68,20 @@ def lora_plan(batch: LoraBatch, scaling: torch.Tensor) -> TritonLoraPlan:
 
 
 @triton.jit
-def _group_rows(sorted_tokens_ptr, group_starts_ptr, group, tile, BLOCK_M: tl.constexpr):
-    """This program's places in ``sorted_tokens``, which of them are in its group, and their rows
-    of the flat batch (0 where masked)."""
+def _group_tile(sorted_tokens_ptr, group_slots_ptr, group_starts_ptr, BLOCK_M: tl.constexpr):
+    """This program's tile of rows (group: grid axis 0, tile: axis 1): its places in
+    ``sorted_tokens``, which of them are in the group, their rows of the flat batch (0 where
+    masked), the group's slot, and whether the tile starts past the group's end (the grid is
+    sized for the longest group; such a program returns at once)."""
+    group = tl.program_id(0)
     start = tl.load(group_starts_ptr + group)
     end = tl.load(group_starts_ptr + group + 1)
-    places = start + tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = start + tl.program_id(1) * BLOCK_M
+    places = first + tl.arange(0, BLOCK_M)
     valid = places < end
     tokens = tl.load(sorted_tokens_ptr + places, mask=valid, other=0)
-    return places, valid, tokens
+    slot = tl.load(group_slots_ptr + group).to(tl.int64)
+    return places, valid, tokens, slot, first >= end
 
 
 @triton.jit
@@ -99,13 +104,12 @@ def _shrink_kernel(
     MMA_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program: ``BLOCK_M`` rows of one group (grid axis 0) x all ``parts · R`` columns."""
-    group = tl.program_id(0)
-    tile = tl.program_id(1)
-    if tile * BLOCK_M >= tl.load(group_starts_ptr + group + 1) - tl.load(group_starts_ptr + group):
-        return  # the grid is sized for the longest group
-    places, valid, tokens = _group_rows(sorted_tokens_ptr, group_starts_ptr, group, tile, BLOCK_M)
-    slot = tl.load(group_slots_ptr + group).to(tl.int64)
+    """One program: ``BLOCK_M`` rows of one group x all ``parts · R`` columns."""
+    places, valid, tokens, slot, past_end = _group_tile(
+        sorted_tokens_ptr, group_slots_ptr, group_starts_ptr, BLOCK_M
+    )
+    if past_end:
+        return
     ranks = tl.arange(0, PARTS_R_PAD)
     rank_valid = ranks < PARTS_R
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * x_stride
@@ -146,17 +150,17 @@ def _expand_kernel(
     MMA_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program: ``BLOCK_M`` rows of one group x ``BLOCK_N`` columns of one part's output."""
-    group = tl.program_id(0)
-    tile = tl.program_id(1)
-    if tile * BLOCK_M >= tl.load(group_starts_ptr + group + 1) - tl.load(group_starts_ptr + group):
-        return
-    places, valid, tokens = _group_rows(sorted_tokens_ptr, group_starts_ptr, group, tile, BLOCK_M)
-    slot = tl.load(group_slots_ptr + group).to(tl.int64)
+    """One program: ``BLOCK_M`` rows of one group x ``BLOCK_N`` columns (grid axis 2) of one
+    part's output."""
     ranks = tl.arange(0, RANK_PAD)
     rank_valid = ranks < RANK
     columns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     column_valid = columns < out_features
+    places, valid, tokens, slot, past_end = _group_tile(
+        sorted_tokens_ptr, group_slots_ptr, group_starts_ptr, BLOCK_M
+    )
+    if past_end:
+        return
     shrunk = tl.load(
         shrunk_ptr + places.to(tl.int64)[:, None] * shrunk_stride + (part_column + ranks)[None, :],
         mask=valid[:, None] & rank_valid[None, :],
@@ -188,26 +192,27 @@ def lora_add(
     parts_r = a.shape[1]
     rank = parts_r // len(b)
     shrunk = torch.empty((plan.num_rows, parts_r), dtype=torch.float32, device=x.device)
-    mma_dtype = matmul_dtype(x.dtype)
-    precision = dot_precision(x.dtype)
+    # What both kernels take alike: the step's groups, rows per program and the dot's types.
+    groups = (plan.sorted_tokens, plan.group_slots, plan.group_starts)
+    tiling = {
+        "BLOCK_M": plan.block_m,
+        "MMA_DTYPE": matmul_dtype(x.dtype),
+        "DOT_PRECISION": dot_precision(x.dtype),
+    }
     row_tiles = triton.cdiv(plan.max_group_len, plan.block_m)
     _shrink_kernel[(plan.num_groups, row_tiles)](
         x,
         a,
         shrunk,
-        plan.sorted_tokens,
-        plan.group_slots,
-        plan.group_starts,
+        *groups,
         x.shape[1],
         x.stride(0),
         *strides(a, dims=2),
         shrunk.stride(0),
         PARTS_R=parts_r,
         PARTS_R_PAD=max(_MIN_DOT, triton.next_power_of_2(parts_r)),
-        BLOCK_M=plan.block_m,
         BLOCK_K=_BLOCK_K,
-        MMA_DTYPE=mma_dtype,
-        DOT_PRECISION=precision,
+        **tiling,
     )
     for j, (b_j, offset) in enumerate(zip(b, offsets, strict=True)):
         if b_j.stride(-1) != 1:
@@ -218,9 +223,7 @@ def lora_add(
             b_j,
             out,
             plan.scaling,
-            plan.sorted_tokens,
-            plan.group_slots,
-            plan.group_starts,
+            *groups,
             out_features,
             j * rank,
             offset,
@@ -229,8 +232,6 @@ def lora_add(
             out.stride(0),
             RANK=rank,
             RANK_PAD=max(_MIN_DOT, triton.next_power_of_2(rank)),
-            BLOCK_M=plan.block_m,
             BLOCK_N=_BLOCK_N,
-            MMA_DTYPE=mma_dtype,
-            DOT_PRECISION=precision,
+            **tiling,
         )

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from llmpool.engine.attention.metadata import AttentionMetadata
 from llmpool.engine.kernels.common import dot_precision, matmul_dtype, strides
-from llmpool.engine.kv_cache import check_kv_scales
+from llmpool.engine.kv_cache import LayerKVCache
 
 # tl.dot needs at least 16 rows; more rows per tile reuse each loaded K/V tile for more
 # queries (prefill), at the price of idle rows when a sequence has fewer queries (decode).
@@ -271,20 +271,12 @@ def _num_splits(meta: AttentionMetadata, programs: int, device: torch.device) ->
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    attention_plan: TritonAttentionPlan,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    query: torch.Tensor, cache: LayerKVCache, attention_plan: TritonAttentionPlan, scale: float
 ) -> torch.Tensor:
-    """Causal attention of ``query`` ``[num_tokens, heads, head_dim]`` over paged K/V.
-
-    The cache holds ``K / k_scale`` and ``V / v_scale`` (fp8) or K and V (scales 1).
-    """
-    check_kv_scales(key_cache.dtype, k_scale, v_scale)
+    """``torch_backend.paged_attention``'s contract on the GPU: the scales of an fp8 cache
+    are applied in the kernel (``k_scale`` with the softmax scale, ``v_scale`` to the output)."""
     num_tokens, num_heads, head_dim = query.shape
+    key_cache, value_cache = cache.key, cache.value
     _, block_size, num_kv_heads, _ = key_cache.shape
     meta = attention_plan.meta
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -322,8 +314,8 @@ def paged_attention(
         meta.query_start_loc,
         tile_seq,
         tile_start,
-        scale * k_scale,
-        v_scale,
+        scale * cache.k_scale,
+        cache.v_scale,
         meta.num_seqs,
         num_tokens,
         num_heads,

@@ -68,17 +68,23 @@ class AdapterError(ValueError):
 
 
 @dataclass(frozen=True)
-class AdapterWeights:
-    """An adapter read and checked: (A ``[r, in]``, B ``[out, r]``) per (layer, PEFT module)."""
+class AdapterInfo:
+    """What names and describes an adapter, read or loaded: its files and its PEFT config."""
 
     name: str
     path: str
     digest: str
+    revision: str | None  # what the caller pinned; the files matched it
     rank: int
     alpha: float
-    scaling: float
     target_modules: tuple[str, ...]
-    revision: str | None  # what the caller pinned; the files matched it
+
+
+@dataclass(frozen=True)
+class AdapterWeights(AdapterInfo):
+    """An adapter read and checked: (A ``[r, in]``, B ``[out, r]``) per (layer, PEFT module)."""
+
+    scaling: float
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
 

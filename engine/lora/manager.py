@@ -8,14 +8,14 @@ that are replaced whole on every change, never mutated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmpool.engine.admission import InvalidRequestError
 from llmpool.engine.lora import LORA_TARGETS, NUM_MODULES
-from llmpool.engine.lora.adapter import AdapterError, AdapterWeights, module_dims
+from llmpool.engine.lora.adapter import AdapterError, AdapterInfo, AdapterWeights, module_dims
 
 if TYPE_CHECKING:
     from llmpool.engine.models.llama import LlamaShape
@@ -34,15 +34,10 @@ class UnknownAdapterError(InvalidRequestError):
 
 
 @dataclass(frozen=True)
-class LoadedAdapter:
-    name: str
+class LoadedAdapter(AdapterInfo):
+    """A resident adapter: what it was read as, and the slot its weights were copied into."""
+
     slot: int
-    digest: str
-    path: str
-    revision: str | None  # what the load asked for; the files matched it
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
 
     def describe(self) -> dict[str, Any]:
         """The adapter as ``/fingerprint`` lists it."""
@@ -169,16 +164,8 @@ class LoraManager:
                 weights.digest,
             )
         self._write_slot(slot, weights)
-        loaded = LoadedAdapter(
-            name=weights.name,
-            slot=slot,
-            digest=weights.digest,
-            path=weights.path,
-            revision=weights.revision,
-            rank=weights.rank,
-            alpha=weights.alpha,
-            target_modules=weights.target_modules,
-        )
+        info = {f.name: getattr(weights, f.name) for f in fields(AdapterInfo)}
+        loaded = LoadedAdapter(**info, slot=slot)
         if current is not None:
             self._retire(current.slot)
         self.registry = {**self.registry, weights.name: loaded}

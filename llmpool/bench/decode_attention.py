@@ -33,6 +33,7 @@ from llmpool.bench.steps import (
 )
 from llmpool.engine import LLM
 from llmpool.engine.attention import CPU, TORCH, AttentionMetadata, Backend
+from llmpool.engine.kv_cache import LayerKVCache
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 9, 3, 64
 
@@ -62,7 +63,7 @@ def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dic
     meta = decode_batch(concurrency, seed=concurrency)
     num_blocks = int(meta.block_tables.max()) + 1
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    key_cache, value_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    cache = LayerKVCache(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
     query = torch.randn(concurrency, NUM_HEADS, HEAD_DIM).to(dtype)
     backends: dict[str, Backend] = {"torch": TORCH, "cpu": CPU}
     plans = {name: backend.plan(meta) for name, backend in backends.items()}
@@ -71,7 +72,7 @@ def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dic
     def attend(name: str) -> Callable[[], None]:
         def run() -> None:
             outputs[name] = backends[name].paged_attention(
-                query, key_cache, value_cache, plans[name], HEAD_DIM**-0.5
+                query, cache, plans[name], HEAD_DIM**-0.5
             )
 
         return run
