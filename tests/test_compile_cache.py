@@ -96,8 +96,9 @@ def test_serve_reads_the_compile_cache_dir_flag_and_variable(
 # One start of a compiled engine in its own process, with inductor's local caches empty, so
 # that only the compile cache can spare it the compile. Prints its report and greedy tokens.
 CHILD = """
-import json, sys
+import json, logging, sys
 from llmpool.engine import LLM, SamplingParams
+logging.basicConfig(level=logging.INFO)
 llm = LLM(dtype="float32", compile=True, max_num_batched_tokens=4, compile_cache_dir=sys.argv[1])
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 outputs = llm.generate(json.loads(sys.argv[2]), params)
