@@ -102,6 +102,9 @@ class EngineConfig:
     # Compile the decoder with inductor at start (CPU; needs a C++ compiler): fused per-layer
     # ops, every batch size compiled before the first request (engine/compilation.py).
     compile: bool = False
+    # Where compiled artifacts are kept between starts (engine/compile_cache.py): None is
+    # $XDG_CACHE_HOME/llmpool/compile (else ~/.cache/llmpool/compile); '' or 'none' keeps none.
+    compile_cache_dir: str | None = None
     # LoRA adapters (engine/lora): slots resident beside the base model, and their largest rank.
     enable_lora: bool = False
     max_loras: int = 1

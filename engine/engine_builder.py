@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from llmpool import capacity
 from llmpool.engine import compilation, model_source
 from llmpool.engine.attention import Backend, check_kv_cache_dtype, select_backend
+from llmpool.engine.compile_cache import CompileCache, CompileReport, cache_root, environment_fields
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.kernels.capabilities import KernelCapabilities
 from llmpool.engine.kernels.capabilities import probe_kernels as probe_capabilities
@@ -84,11 +85,37 @@ class LoadedEngine:
         if kv_dtype == FP8_DTYPE:
             token_ids = self.tokenizer.encode(KV_CALIBRATION_TEXT)[: self.max_model_len]
             calibrate_fp8_kv_scales(self.model, token_ids, block_size, self.dtype)
+        self.compile_report = CompileReport(enabled=config.compile)
         if config.compile:
             max_tokens = min(
                 config.max_num_batched_tokens, self.max_model_len, num_blocks * block_size
             )
-            compile_decoder(self.model, self.kv_caches, block_size, max_tokens)
+            cache = self.compile_cache(max_tokens)
+            self.compile_report = compile_decoder(
+                self.model, self.kv_caches, block_size, max_tokens, cache
+            )
+
+    def compile_cache(self, max_tokens: int) -> CompileCache | None:
+        """The cache entry for this engine's compiled decoder; None where the cache is off.
+
+        The key holds every input of the traced graphs: the model's content, the settings that
+        change the decoder's ops or sizes, the kernels chosen (they are branches of the graph),
+        and the environment that generates and builds the code."""
+        root = cache_root(self.config.compile_cache_dir)
+        if root is None:
+            return None
+        fields = {
+            **environment_fields(),
+            "model": self.resolved.revision,
+            "dtype": self.resolved_dtype.name,
+            "quantization": self.config.quantization,
+            "kvCacheDtype": self.kv_dtype_name,
+            "attentionBackend": self.backend.name,
+            "blockSize": str(self.config.block_size),
+            "maxTokens": str(max_tokens),
+            "kernels": repr(self.kernels),
+        }
+        return CompileCache(root, fields)
 
 
 def read_shape(folder: Path) -> LlamaShape:
@@ -266,14 +293,38 @@ def compile_decoder(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     block_size: int,
     max_tokens: int,
-) -> None:
-    """Compile the decoder for every step size up to ``max_tokens`` (engine/compilation.py)."""
+    cache: CompileCache | None,
+) -> CompileReport:
+    """Compile the decoder for every step size up to ``max_tokens`` (engine/compilation.py),
+    from ``cache``'s artifacts where it holds them, and store them there where it did not."""
     compilation.check_can_compile(model.cos_sin_cache.device)
     started = time.monotonic()
+    hit = cache is not None and cache.load()
+    if cache is None:
+        logger.info("compiling the decoder (compile cache off)")
+    elif hit:
+        logger.info(
+            "compiling the decoder from cached artifacts (key %s in %s)", cache.key, cache.root
+        )
+    else:
+        logger.info(
+            "compiling the decoder (cold: no cached artifacts for key %s in %s)",
+            cache.key,
+            cache.root,
+        )
     graphs = compilation.compile_all_sizes(model, kv_caches, block_size, max_tokens)
-    logger.info(
-        "compiled the decoder: %d graphs for 1..%d tokens in %.0f s",
-        graphs,
-        max_tokens,
-        time.monotonic() - started,
+    if cache is not None and not hit:
+        artifacts = torch.compiler.save_cache_artifacts()
+        if artifacts is not None:
+            cache.save(artifacts[0])
+    report = CompileReport(
+        enabled=True,
+        cache="off" if cache is None else "hit" if hit else "miss",
+        key=None if cache is None else cache.key,
+        seconds=time.monotonic() - started,
     )
+    logger.info(
+        "compiled the decoder%s: %d graphs for 1..%d tokens in %.0f s",
+        " from cache" if hit else "", graphs, max_tokens, report.seconds,
+    )  # fmt: skip
+    return report

@@ -49,7 +49,7 @@ def engine_args(spec: PoolSpec) -> list[str]:
     if spec.chat_template is not None:
         args += ["--chat-template", CHAT_TEMPLATE_PATH]
     if engine.compile:
-        args.append("--compile")
+        args += ["--compile", "--compile-cache-dir", naming.COMPILE_CACHE_DIR]
     lora = spec.lora_settings
     if lora is not None:
         # Slots only, never --lora-modules: the operator loads the adapters over HTTP

@@ -30,6 +30,8 @@ ENGINE_PORT = 8000
 ENGINE_PORT_NAME = "http"
 CHAT_TEMPLATE_KEY = "template"
 CHAT_TEMPLATE_DIR = "/etc/llmpool/chat-template"
+# Where a compiling engine keeps its artifacts (--compile-cache-dir): the pool's cache volume.
+COMPILE_CACHE_DIR = "/var/cache/llmpool/compile"
 
 
 def selector_labels(pool: str) -> dict[str, str]:

@@ -133,6 +133,12 @@ def _model_volumes(source: str) -> tuple[list[dict], list[dict]]:
     return [], []
 
 
+def _compile_cache_source(spec: PoolSpec) -> dict:
+    """``engine.compileCache``, else an emptyDir: a restarted container starts from its
+    artifacts, and a claim shared by the replicas lets each new one start from them too."""
+    return dict(spec.engine.compile_cache or {"emptyDir": {}})
+
+
 def _adapter_volume_source(source: str, root: str) -> dict:
     if source.startswith("pvc://"):
         claim = source.removeprefix("pvc://").split("/", 1)[0]
@@ -278,6 +284,11 @@ def render_deployment(
         )
         container["volumeMounts"].append(
             {"name": "chat-template", "mountPath": naming.CHAT_TEMPLATE_DIR, "readOnly": True}
+        )
+    if spec.engine.compile:
+        volumes.append({"name": "compile-cache", **_compile_cache_source(spec)})
+        container["volumeMounts"].append(
+            {"name": "compile-cache", "mountPath": naming.COMPILE_CACHE_DIR}
         )
     model_volumes, model_mounts = _model_volumes(spec.source)
     volumes += model_volumes

@@ -62,6 +62,9 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     max_queue: int | None = None
     compile: bool = False
+    # The volume source (persistentVolumeClaim or emptyDir) of the compiled artifacts' cache;
+    # None: an emptyDir, which a container restart keeps.
+    compile_cache: Mapping[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, engine: Mapping[str, Any]) -> EngineSettings:
@@ -78,6 +81,7 @@ class EngineSettings:
             enable_prefix_caching=engine.get("enablePrefixCaching", defaults.enable_prefix_caching),
             max_queue=engine.get("maxQueue"),
             compile=engine.get("compile", defaults.compile),
+            compile_cache=engine.get("compileCache"),
         )
 
 

@@ -54,6 +54,7 @@ OPTIONAL_ENGINE_SETTINGS: dict[str, Any] = {
     "priority_class": "interactive",
     "max_request_priority": None,
     "compile": False,
+    "compile_cache_dir": None,
 }
 
 
@@ -156,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         " every batch size compiled before the port opens",
         action=argparse.BooleanOptionalAction, default=False,
     )  # fmt: skip
+    flags.add(
+        "--compile-cache-dir",
+        "where --compile keeps its artifacts between starts (one entry per model, settings,"
+        " torch and CPU); '' or none keeps none; default: $XDG_CACHE_HOME/llmpool/compile, else"
+        " ~/.cache/llmpool/compile",
+        default=None,
+    )
     flags.add(
         "--priority-class",
         "interactive or batch",

@@ -44,6 +44,8 @@ def build_fingerprint(
         "device": str(core.device),
         "attentionBackend": core.backend.name,
         "engineVersion": __version__,
+        # Whether the decoder was compiled, from the compile cache or cold, and how long it took.
+        "compile": core.compile_report.as_dict(),
     }
     return {"pinned": pinned, "observed": observed, "digest": pinning.pinned_digest(pinned)}
 

@@ -302,6 +302,21 @@ def test_the_adapter_count_rule_defaults_like_the_operator(schema):
     assert "self.lora" in compile_rule and "self.adapters" in compile_rule
 
 
+def test_the_compile_cache_is_a_claim_or_an_empty_dir(schema):
+    engine = schema.at("spec", "engine")
+    for source in (
+        {"persistentVolumeClaim": {"claimName": "cc"}},
+        {"emptyDir": {"sizeLimit": "1Gi"}},
+    ):
+        assert schema.errors({"compile": True, "compileCache": source}, engine) == []
+    no_claim = {"compileCache": {"persistentVolumeClaim": {}}}
+    assert schema.errors(no_claim, engine) == [
+        ".compileCache.persistentVolumeClaim.claimName: required"
+    ]
+    [rule] = [v["rule"] for v in cel_rules(schema)[".spec.engine"] if "compileCache" in v["rule"]]
+    assert "persistentVolumeClaim" in rule and "emptyDir" in rule
+
+
 def test_adapters_are_a_map_keyed_on_name(schema):
     adapters = schema.at("spec", "adapters")
     assert adapters["x-kubernetes-list-type"] == "map"

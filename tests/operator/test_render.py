@@ -74,6 +74,7 @@ def test_engine_args_optional_flags(batch_spec):
     args = engine_args(PoolSpec.from_dict(spec))
     assert flag(args, "--quantization") == "int8"
     assert args.count("--compile") == 1
+    assert flag(args, "--compile-cache-dir") == naming.COMPILE_CACHE_DIR
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
     assert flag(args, "--max-queue") == "100"
     assert flag(args, "--priority-class") == "batch"
@@ -159,6 +160,31 @@ def test_no_template_no_mount(batch_spec):
     deployment = render(batch_spec, None)
     names = [v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]]
     assert names == ["tmp"]
+
+
+@pytest.mark.parametrize(
+    ("compile_cache", "source"),
+    [
+        (None, {"emptyDir": {}}),
+        (
+            {"persistentVolumeClaim": {"claimName": "cc"}},
+            {"persistentVolumeClaim": {"claimName": "cc"}},
+        ),
+    ],
+)
+def test_a_compiling_pool_mounts_its_compile_cache_where_the_engine_keeps_it(
+    batch_spec, compile_cache, source
+):
+    engine = {**batch_spec["engine"], "compile": True}
+    if compile_cache is not None:
+        engine["compileCache"] = compile_cache
+    deployment = render({**batch_spec, "engine": engine}, None)
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["compile-cache"] == {"name": "compile-cache", **source}
+    container = engine_container(deployment)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[naming.COMPILE_CACHE_DIR] == "compile-cache"
+    assert flag(container["args"], "--compile-cache-dir") == naming.COMPILE_CACHE_DIR
 
 
 def test_pvc_source_is_mounted_read_only(batch_spec):
