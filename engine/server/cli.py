@@ -54,6 +54,7 @@ OPTIONAL_ENGINE_SETTINGS: dict[str, Any] = {
     "priority_class": "interactive",
     "max_request_priority": None,
     "compile": False,
+    "speculative_config": None,
 }
 
 
@@ -156,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         " every batch size compiled before the port opens",
         action=argparse.BooleanOptionalAction, default=False,
     )  # fmt: skip
+    flags.add(
+        "--speculative-config",
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens":'
+        ' 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size":'
+        " N} (drafts looked up in the request's own tokens; outputs unchanged); default: off",
+        default=None,
+    )
     flags.add(
         "--priority-class",
         "interactive or batch",
