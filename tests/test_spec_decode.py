@@ -102,6 +102,9 @@ def test_speculative_config_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("LLMPOOL_SPECULATIVE_CONFIG", '{"prompt_lookup_max": 2}')
     config = engine_config(build_parser().parse_args([])).speculative
     assert config == SpeculativeConfig(prompt_lookup_max=2)
+    assert config is not None and config.disable_by_batch_size == 16
+    unbounded = SpeculativeConfig.parse('{"method": "ngram", "disable_by_batch_size": null}')
+    assert unbounded.disable_by_batch_size is None
 
 
 # --- verification ----------------------------------------------------------------------------
@@ -226,7 +229,13 @@ SPEC_PROMPTS = [
     "List the numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4,",
     "The capital of France is",
 ]
-SPEC_CONFIG = {"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+# Drafts at every batch size: the stop test runs 25 requests at once.
+SPEC_CONFIG = {
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+    "disable_by_batch_size": None,
+}
 
 
 @pytest.fixture(scope="module")

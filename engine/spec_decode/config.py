@@ -10,6 +10,7 @@ METHODS = ("ngram",)
 # Bounds that keep a step's extra rows and the proposer's work small.
 MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 16
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -17,15 +18,17 @@ class SpeculativeConfig:
     """Prompt-lookup speculation (vLLM's ``ngram`` method).
 
     ``disable_by_batch_size``: no drafts in a step while this many requests or more are
-    running (vLLM V0's name); there the batch already fills the GEMMs, and rows spent on
-    drafts that may be rejected cost more than they save. None: speculate at every size.
+    running (vLLM V0's name); there the batch already keeps the CPU busy, and rows spent on
+    drafts that may be rejected cost more than they save. None: speculate at every size. The
+    default, 16: at 16 requests speculation lost on code edits (0.80x tok/s) while it won on
+    extraction (1.97x), and won 1.7-1.9x at one request (benchmarks/README.md).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         checks = [

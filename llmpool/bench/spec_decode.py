@@ -168,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--requests", type=int, default=4, help="at least; a batch's size if more")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--speculative-config", default='{"method": "ngram"}')
+    # Drafts at every batch size, so that the larger batch measures what speculation does there.
+    parser.add_argument(
+        "--speculative-config", default='{"method": "ngram", "disable_by_batch_size": null}'
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
