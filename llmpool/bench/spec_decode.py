@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
 from llmpool.bench.workload import WORDS
 from llmpool.engine.config import EngineConfig
@@ -179,15 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     engines = {
-        setting: EngineCore(
-            EngineConfig(
-                dtype=args.dtype,
-                max_model_len=2048,
-                kv_cache_memory="512MiB",
-                speculative_config=args.speculative_config if setting == "on" else None,
+        setting: build_in_ended_thread(
+            lambda speculative=speculative: EngineCore(
+                EngineConfig(
+                    dtype=args.dtype,
+                    max_model_len=2048,
+                    kv_cache_memory="512MiB",
+                    speculative_config=speculative,
+                )
             )
         )
-        for setting in ("off", "on")
+        for setting, speculative in (("off", None), ("on", args.speculative_config))
     }
     report = {"settings": vars(args), "results": compare(engines, args)}
     report = write_json(RESULTS / "spec_decode.json", report, script_command(__file__, argv))
