@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from llmpool.engine.cpu_features import NATIVE_BFLOAT16_FLAGS, native_bfloat16_flags
+from llmpool.engine.spec_decode.config import SpeculativeConfig
 from llmpool.protocol.priority import PRIORITY_CLASSES
 
 _SIZE_UNITS = {
@@ -109,10 +110,15 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # Prompt-lookup speculative decoding (engine/spec_decode): None (off), or vLLM's
+    # --speculative-config as a SpeculativeConfig, a dict or its JSON text.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         checks = [
             (self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}"),
             (
@@ -170,6 +176,13 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` as the SpeculativeConfig that ``__post_init__`` made of it."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def request_priority_floor(self) -> int:

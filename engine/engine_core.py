@@ -36,6 +36,11 @@ class EngineStats:
     grammar_mask_seconds: float = 0.0  # structured-output masks, computed beside the forwards
     grammar_wait_seconds: float = 0.0  # of that, what steps waited for after their forward
     grammar_steps: int = 0  # steps that computed masks
+    # Speculative decoding (running totals): steps of a request that carried drafts, the draft
+    # tokens, and those accepted; the acceptance rate is accepted / draft tokens.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     running_adapters: tuple[str, ...] = ()  # LoRA adapters of the running requests, sorted
     waiting_adapters: tuple[str, ...] = ()  # and of the waiting ones
 
@@ -54,6 +59,7 @@ class EngineCore(LoadedEngine):
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            speculative_config=config.speculative,
         )
         self.scheduler.on_finish = self._on_finish
         self.structured_outputs = StructuredOutputManager(
@@ -217,9 +223,11 @@ class EngineCore(LoadedEngine):
             )
         }
         changed = self.scheduler.update_from_output(scheduled, token_by_request)
-        for request in changed:
+        for request, num_new in changed:
             try:
-                deltas.append(self._delta(request, logprobs_by_request[request.request_id]))
+                deltas.append(
+                    self._delta(request, num_new, logprobs_by_request[request.request_id])
+                )
             except Exception as error:  # output processing of this request alone (detokenizing)
                 deltas.append(self._fail(request, error))
         self.runner.timings.process_outputs += time.perf_counter() - sampled_at
@@ -244,23 +252,26 @@ class EngineCore(LoadedEngine):
             error=f"{type(error).__name__}: {error}",
         )
 
-    def _delta(self, request: Request, logprobs: dict[int, float] | None) -> RequestDelta:
-        token_id = request.all_token_ids[-1]
-        if request.grammar is not None:
-            request.grammar.accept(token_id)
-            if request.grammar.is_complete:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+    def _delta(
+        self, request: Request, num_new: int, logprobs: dict[int, float] | None
+    ) -> RequestDelta:
+        """The step's ``num_new`` tokens through the grammar and the detokenizer, in order; a
+        stop string ends the request at the token that completed it, and drops those after."""
+        new_token_ids = request.all_token_ids[-num_new:]
         detokenizer = self.detokenizers[request.request_id]
-        stop_string = detokenizer.add_token(token_id)
-        if stop_string is not None and not request.status.finished:
-            request.stop_reason = stop_string
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        for index, token_id in enumerate(new_token_ids):
+            if self._ends_at(request, detokenizer, token_id):
+                dropped = len(new_token_ids) - index - 1
+                if dropped:
+                    del request.all_token_ids[-dropped:]
+                    new_token_ids = new_token_ids[: index + 1]
+                break
         finished = request.status.finished
         if finished:
             del self.detokenizers[request.request_id]
         return RequestDelta(
             request_id=request.request_id,
-            new_token_ids=[token_id],
+            new_token_ids=new_token_ids,
             new_text=detokenizer.take_new_text(finished),
             new_logprobs=[logprobs] if logprobs is not None else [],
             finished=finished,
@@ -269,6 +280,24 @@ class EngineCore(LoadedEngine):
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
         )
+
+    def _ends_at(
+        self, request: Request, detokenizer: IncrementalDetokenizer, token_id: int
+    ) -> bool:
+        """Feed one token to the grammar and the detokenizer; True if either ends the request
+        (the scheduler's stops, checked before, end it at its last new token only)."""
+        ended = False
+        if request.grammar is not None:
+            request.grammar.accept(token_id)
+            if request.grammar.is_complete:
+                ended = True
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        stop_string = detokenizer.add_token(token_id)
+        if stop_string is not None and not request.status.finished:
+            ended = True
+            request.stop_reason = stop_string
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        return ended
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -283,6 +312,9 @@ class EngineCore(LoadedEngine):
             grammar_mask_seconds=self.runner.timings.grammar_mask,
             grammar_wait_seconds=self.runner.timings.grammar_wait,
             grammar_steps=self.runner.timings.grammar_steps,
+            spec_decode_num_drafts=self.scheduler.spec_decoding.num_drafts,
+            spec_decode_num_draft_tokens=self.scheduler.spec_decoding.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.scheduler.spec_decoding.num_accepted_tokens,
             running_adapters=_adapter_names(self.scheduler.running),
             waiting_adapters=_adapter_names(self.scheduler.waiting),
         )

@@ -93,8 +93,11 @@ class KVCacheManager:
             table.extend(pool.allocate(needed))
         if self.enable_prefix_caching:
             # Blocks this step will fill are cached now: a request admitted later in the same
-            # step can share them, since every layer writes K/V before it attends.
-            self._cache_full_blocks(request, table, num_computed + num_new_tokens)
+            # step can share them, since every layer writes K/V before it attends. Slots past
+            # the request's tokens hold drafts, which may be rejected: never cached.
+            self._cache_full_blocks(
+                request, table, min(num_computed + num_new_tokens, request.num_tokens)
+            )
         return True
 
     def free(self, request: Request) -> None:

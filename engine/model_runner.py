@@ -93,7 +93,7 @@ class ModelRunner:
             (
                 token
                 for r, start, count in zip(requests, num_computed, num_scheduled, strict=True)
-                for token in r.all_token_ids[start : start + count]
+                for token in _step_tokens(r, start, count)
             ),
             dtype=np.int64,
             count=total,
@@ -110,9 +110,16 @@ class ModelRunner:
             block_tables[token_rows, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
-        # A request samples when this step brings its computed tokens up to all its tokens.
-        samples = seq_lens == np.array([r.num_tokens for r in requests])
-        logits_indices = query_start_loc[1:][samples] - 1
+        # A request samples when this step brings its computed tokens up to all its tokens and
+        # drafts; it takes logits at its last token and at each draft.
+        num_drafts = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
+        samples = seq_lens == np.array([r.num_tokens for r in requests]) + num_drafts
+        num_logits = num_drafts[samples] + 1
+        logits_indices = (
+            np.repeat(query_start_loc[1:][samples] - num_logits, num_logits)
+            + np.arange(int(num_logits.sum()))
+            - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        )
 
         device = self.device
         meta = AttentionMetadata(
@@ -234,24 +241,38 @@ class ModelRunner:
         """Sample the batch; if that raises, sample row by row and fail the rows that raise."""
         if not requests:
             return [], SamplerOutput(token_ids=[], logprobs=[])
+        drafts = [r.spec_token_ids for r in requests]
         try:
-            return requests, self.sampler(logits, requests, allowed)
+            return requests, self.sampler(logits, requests, allowed, drafts)
         except Exception:
             pass
         kept: list[Request] = []
-        token_ids: list[int] = []
+        token_ids: list[list[int]] = []
         logprobs: list[dict[int, float] | None] = []
-        for row, request in enumerate(requests):
+        start = 0
+        for index, request in enumerate(requests):
+            end = start + len(request.spec_token_ids) + 1
             try:
                 one = self.sampler(
-                    logits[row : row + 1],
+                    logits[start:end],
                     [request],
-                    None if allowed is None else allowed[row : row + 1],
+                    None if allowed is None else allowed[index : index + 1],
+                    [request.spec_token_ids],
                 )
             except Exception as error:
                 failed.append((request, error))
                 continue
+            finally:
+                start = end
             kept.append(request)
             token_ids += one.token_ids
             logprobs += one.logprobs
         return kept, SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def _step_tokens(request: Request, start: int, count: int) -> list[int]:
+    """The ``count`` tokens from position ``start``: the request's own, then its drafts."""
+    tokens = request.all_token_ids[start : start + count]
+    if len(tokens) < count:
+        tokens += request.spec_token_ids[: count - len(tokens)]
+    return tokens

@@ -80,6 +80,24 @@ class Request:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         # Logprobs of generated tokens, filled by the engine when asked for.
         self.output_logprobs: list[dict[int, float]] = []
+        # Draft tokens the scheduler gave this step, verified by the sampler (spec_decode).
+        self.spec_token_ids: list[int] = []
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether drafts leave what this request gets unchanged (docs/architecture.md).
+
+        Grammars, penalties and logprobs are computed per step from the tokens before it; a
+        seed fixes one draw per token from the request's generator. Verifying drafts would
+        change those, so such requests run without drafts, in the same batches.
+        """
+        params = self.sampling_params
+        return (
+            self.grammar is None
+            and self.generator is None
+            and params.logprobs is None
+            and not params.uses_penalties
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

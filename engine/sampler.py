@@ -6,50 +6,78 @@ with a seed samples the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from llmpool.engine.request import Request
 from llmpool.engine.sampling_params import SamplingParams
+from llmpool.engine.spec_decode import rejection
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[list[int]]  # per request, its new tokens: one, or with drafts up to k + 1
     # Per request: {token_id: logprob} of the chosen token and the top-k, or None when not asked.
     logprobs: list[dict[int, float] | None]
 
 
 class Sampler:
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], allowed: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        allowed: torch.Tensor | None = None,
+        drafts: Sequence[list[int]] | None = None,
     ) -> SamplerOutput:
-        """``logits`` is ``[len(requests), vocab]`` float32, one row per sampling request;
-        ``allowed`` (same shape, bool) is False where a request's grammar forbids a token."""
-        params = [r.sampling_params for r in requests]
-        if allowed is not None:
-            # First, so that no bias or penalty can revive a token the grammar forbids.
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        if any(p.logit_bias for p in params):
-            logits = self._apply_logit_bias(logits, params)
-        logits = self._apply_min_tokens(logits, requests)
-        if any(p.uses_penalties for p in params):
-            logits = self._apply_penalties(logits, requests)
+        """``logits`` is float32 with one row per sampling request, or with ``drafts``, ``1 +
+        len(drafts[i])`` rows for request ``i`` (spec_decode/rejection.py); ``allowed`` (one
+        row per request, bool) is False where a request's grammar forbids a token."""
+        drafts = drafts if drafts is not None else [[] for _ in requests]
+        counts = [len(draft) + 1 for draft in drafts]
+        rows = [r for r, count in zip(requests, counts, strict=True) for _ in range(count)]
+        if allowed is not None and len(rows) > len(requests):
+            allowed = allowed.repeat_interleave(torch.tensor(counts), dim=0)
+        logits = self._process(logits, rows, allowed)
+        params = [r.sampling_params for r in rows]
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1)
             if any(p.logprobs is not None for p in params)
             else None
         )
+        draft_tokens = rejection.draft_per_row(drafts)
         greedy = torch.tensor([p.greedy for p in params])
         if bool(greedy.all()):
-            token_ids = logits.argmax(dim=-1)
+            targets = logits.argmax(dim=-1)
+            accepted = draft_tokens == targets
         else:
-            token_ids = self._sample(logits, requests, greedy)
-        token_list = token_ids.tolist()
+            targets, accepted = self._sample(logits, rows, greedy, draft_tokens)
+        token_ids = rejection.accepted_runs(drafts, targets.tolist(), accepted.tolist())
+        if raw_logprobs is not None and len(rows) > len(requests):
+            # Requests with logprobs carry no drafts: each has one row, its first.
+            first_rows = torch.tensor([0, *counts[:-1]]).cumsum(dim=0)
+            raw_logprobs = raw_logprobs.index_select(0, first_rows)
+        request_params = [r.sampling_params for r in requests]
         return SamplerOutput(
-            token_ids=token_list, logprobs=self._logprobs(raw_logprobs, params, token_list)
+            token_ids=token_ids,
+            logprobs=self._logprobs(raw_logprobs, request_params, [t[0] for t in token_ids]),
         )
+
+    def _process(
+        self, logits: torch.Tensor, rows: list[Request], allowed: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The logits each row samples from: grammar mask, bias, min_tokens, penalties."""
+        params = [r.sampling_params for r in rows]
+        if allowed is not None:
+            # First, so that no bias or penalty can revive a token the grammar forbids.
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, params)
+        logits = self._apply_min_tokens(logits, rows)
+        if any(p.uses_penalties for p in params):
+            logits = self._apply_penalties(logits, rows)
+        return logits
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -100,20 +128,29 @@ class Sampler:
 
     @staticmethod
     def _sample(
-        logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor
-    ) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
+        logits: torch.Tensor, rows: list[Request], greedy: torch.Tensor, draft_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token (for a row that verifies a draft: its replacement, should the draft
+        be rejected) and whether the row accepts its draft."""
+        params = [r.sampling_params for r in rows]
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
         probs = _filter_top_k_top_p_min_p(probs, params)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; seeded rows draw E
         # from their own generator so their choices do not depend on the batch.
         noise = torch.empty_like(probs).exponential_()
-        for row, request in enumerate(requests):
+        for row, request in enumerate(rows):
             if request.generator is not None:
                 noise[row] = torch.empty(probs.shape[1]).exponential_(generator=request.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        sampled = (rejection.without_drafts(probs, draft_tokens) / noise).argmax(dim=-1)
+        argmax = logits.argmax(dim=-1)
+        # Draws only when some row has a draft, so that steps without drafts sample as before.
+        has_drafts = bool((draft_tokens != rejection.NO_DRAFT).any())
+        chance = torch.rand(len(rows)) if has_drafts else torch.ones(len(rows))
+        accepted = torch.where(
+            greedy, draft_tokens == argmax, chance < rejection.draft_probs(probs, draft_tokens)
+        )
+        return torch.where(greedy, argmax, sampled), accepted
 
     @staticmethod
     def _logprobs(

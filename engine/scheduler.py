@@ -13,6 +13,18 @@ from dataclasses import dataclass, field
 
 from llmpool.engine.kv_cache_manager import KVCacheManager
 from llmpool.engine.request import Request, RequestStatus
+from llmpool.engine.spec_decode.config import SpeculativeConfig
+from llmpool.engine.spec_decode.ngram import NgramProposer
+
+
+@dataclass
+class SpecDecodingCounts:
+    """Running totals of speculation (vLLM's spec_decode_* counters): the acceptance rate is
+    ``num_accepted_tokens / num_draft_tokens``."""
+
+    num_drafts: int = 0  # requests-steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -54,6 +66,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -63,6 +76,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.speculative_config = speculative_config
+        self.proposer = None if speculative_config is None else NgramProposer(speculative_config)
+        self.spec_decoding = SpecDecodingCounts()
         # Called once for every request that leaves the engine (the LoRA slot refcount).
         self.on_finish: Callable[[Request], None] | None = None
 
@@ -108,8 +124,16 @@ class Scheduler:
                 if budget == 0:
                     break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._make_room(request, num_new, output):
-                break  # the request preempted itself: it was the last one running
+            request.spec_token_ids = self._drafts(request, num_new, budget)
+            # A draft never preempts: without blocks for it, the request runs without drafts.
+            if request.spec_token_ids and self.kv_cache_manager.allocate_slots(
+                request, num_new + len(request.spec_token_ids)
+            ):
+                num_new += len(request.spec_token_ids)
+            else:
+                request.spec_token_ids = []
+                if not self._make_room(request, num_new, output):
+                    break  # the request preempted itself: it was the last one running
             output.requests.append(request)
             output.num_scheduled_tokens.append(num_new)
             budget -= num_new
@@ -119,6 +143,30 @@ class Scheduler:
         if len(output.preempted) == num_preempted_for_class:
             self._admit(output, budget)
         return output
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, within the budget left and its length limits."""
+        config = self.speculative_config
+        if (
+            self.proposer is None
+            or config is None
+            or num_new != 1
+            or request.num_tokens - request.num_computed_tokens != 1
+            or not request.can_speculate
+            or (
+                config.disable_by_batch_size is not None
+                and len(self.running) >= config.disable_by_batch_size
+            )
+        ):
+            return []
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return []  # EOS is banned per step until min_tokens; drafts would skip the ban
+        # A step adds the accepted drafts and one token more; none may pass the limits.
+        max_drafts = min(budget - 1, self.max_model_len - request.num_tokens - 1)
+        if params.max_tokens is not None:
+            max_drafts = min(max_drafts, params.max_tokens - request.num_output_tokens - 1)
+        return self.proposer.propose(request.all_token_ids, max_drafts)
 
     def _admit(
         self, output: SchedulerOutput, budget: int, priority_limit: float = float("inf")
@@ -189,28 +237,48 @@ class Scheduler:
         """Preempt by recompute: drop the KV, keep the tokens, queue again at its priority."""
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[Request]:
-        """Advance counters, append sampled tokens, finish what hit a stop; return what changed."""
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[tuple[Request, int]]:
+        """Advance counters, append sampled tokens, finish what hit a stop; return what changed,
+        each request with the number of tokens it gained.
+
+        A request that carried ``k`` drafts and got ``a + 1`` tokens had ``a`` drafts accepted:
+        only those count as computed. The K/V its rejected drafts wrote stays in its slots until
+        real tokens overwrite it (as in vLLM V1). Tokens are checked for stops in order, and the
+        request ends at the first one, without the tokens after it.
+        """
         changed = []
         for request, num_scheduled in zip(
             output.requests, output.num_scheduled_tokens, strict=True
         ):
-            request.num_computed_tokens += num_scheduled
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            num_drafts = len(request.spec_token_ids)
+            request.spec_token_ids = []
+            token_ids = sampled_token_ids.get(request.request_id)
+            if token_ids is None:
+                request.num_computed_tokens += num_scheduled
                 continue  # a prompt chunk that is not the last one: nothing sampled yet
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                self.finish_request(request, status)
-            changed.append(request)
+            num_accepted = len(token_ids) - 1
+            request.num_computed_tokens += num_scheduled - (num_drafts - num_accepted)
+            if num_drafts:
+                self.spec_decoding.num_drafts += 1
+                self.spec_decoding.num_draft_tokens += num_drafts
+                self.spec_decoding.num_accepted_tokens += num_accepted
+            num_appended = 0
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                num_appended += 1
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self.finish_request(request, status)
+                    break
+            changed.append((request, num_appended))
         return changed
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

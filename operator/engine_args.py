@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from kubernetes.utils import parse_quantity
 
 from llmpool import pinning
@@ -50,6 +52,9 @@ def engine_args(spec: PoolSpec) -> list[str]:
         args += ["--chat-template", CHAT_TEMPLATE_PATH]
     if engine.compile:
         args += ["--compile", "--compile-cache-dir", naming.COMPILE_CACHE_DIR]
+    if engine.speculative is not None:
+        # Not pinned: drafts leave every output as it is without them.
+        args += ["--speculative-config", json.dumps(dict(engine.speculative))]
     lora = spec.lora_settings
     if lora is not None:
         # Slots only, never --lora-modules: the operator loads the adapters over HTTP

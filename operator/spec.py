@@ -65,6 +65,8 @@ class EngineSettings:
     # The volume source (persistentVolumeClaim or emptyDir) of the compiled artifacts' cache;
     # None: an emptyDir, which a container restart keeps.
     compile_cache: Mapping[str, Any] | None = None
+    # spec.engine.speculative as the engine's --speculative-config keys (vLLM's), or None.
+    speculative: tuple[tuple[str, Any], ...] | None = None
 
     @classmethod
     def from_dict(cls, engine: Mapping[str, Any]) -> EngineSettings:
@@ -82,7 +84,31 @@ class EngineSettings:
             max_queue=engine.get("maxQueue"),
             compile=engine.get("compile", defaults.compile),
             compile_cache=engine.get("compileCache"),
+            speculative=_speculative(engine.get("speculative")),
         )
+
+
+# spec.engine.speculative's keys -> the engine's --speculative-config keys.
+SPECULATIVE_KEYS = {
+    "method": "method",
+    "numSpeculativeTokens": "num_speculative_tokens",
+    "promptLookupMax": "prompt_lookup_max",
+    "promptLookupMin": "prompt_lookup_min",
+    "disableByBatchSize": "disable_by_batch_size",
+}
+
+
+def _speculative(speculative: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+    """Sorted (key, value) pairs, so that the rendered flag and the pod template are stable."""
+    if speculative is None:
+        return None
+    return tuple(
+        sorted(
+            (key, speculative[field])
+            for field, key in SPECULATIVE_KEYS.items()
+            if field in speculative
+        )
+    )
 
 
 @dataclass(frozen=True)

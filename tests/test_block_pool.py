@@ -200,7 +200,7 @@ def test_scheduler_returns_every_block(
                 slot = table[position // block_size] * block_size + position % block_size
                 assert fake_kv[slot] == tuple(request.all_token_ids[: position + 1])
         sampled = {
-            r.request_id: 7 + int(r.request_id) % 2
+            r.request_id: [7 + int(r.request_id) % 2]
             for r, n in scheduled
             if r.num_computed_tokens + n == r.num_tokens
         }

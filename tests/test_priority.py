@@ -30,7 +30,7 @@ def run_step(scheduler: Scheduler) -> SchedulerOutput:
     """One step with fake sampling: every request whose tokens are all computed samples token 7."""
     output = scheduler.schedule()
     sampled = {
-        r.request_id: 7
+        r.request_id: [7]
         for r, n in zip(output.requests, output.num_scheduled_tokens, strict=True)
         if r.num_computed_tokens + n == r.num_tokens
     }

@@ -181,12 +181,12 @@ def test_generate_interrupted_by_ctrl_c_frees_its_requests(
     calls = 0
     sample = Sampler.__call__
 
-    def sample_then_interrupt(self, logits, requests, allowed=None):
+    def sample_then_interrupt(self, logits, requests, *args):
         nonlocal calls
         calls += 1
         if calls == 3:
             raise KeyboardInterrupt
-        return sample(self, logits, requests, allowed)
+        return sample(self, logits, requests, *args)
 
     monkeypatch.setattr(Sampler, "__call__", sample_then_interrupt)
     with pytest.raises(KeyboardInterrupt):

@@ -180,4 +180,4 @@ def test_choices_share_their_params_lists_and_logit_bias_applies_per_row() -> No
     expected = torch.zeros(len(rows), 8)
     expected[[0, 3], 3], expected[[0, 3], 5], expected[2, 0] = 100.0, -100.0, 100.0
     assert torch.equal(biased_logits, expected)
-    assert Sampler()(logits, requests).token_ids == [3, 0, 0, 3]
+    assert Sampler()(logits, requests).token_ids == [[3], [0], [0], [3]]

@@ -55,6 +55,7 @@ OPTIONAL_ENGINE_SETTINGS: dict[str, Any] = {
     "max_request_priority": None,
     "compile": False,
     "compile_cache_dir": None,
+    "speculative_config": None,
 }
 
 
@@ -162,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         "where --compile keeps its artifacts between starts (one entry per model, settings,"
         " torch and CPU); '' or none keeps none; default: $XDG_CACHE_HOME/llmpool/compile, else"
         " ~/.cache/llmpool/compile",
+        default=None,
+    )
+    flags.add(
+        "--speculative-config",
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens":'
+        ' 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size":'
+        " N} (drafts looked up in the request's own tokens; outputs unchanged); default: off",
         default=None,
     )
     flags.add(

@@ -49,6 +49,9 @@ CUMULATIVE_STATS = (
     ("grammar_mask_seconds", "grammar_mask_time"),
     ("grammar_wait_seconds", "grammar_wait_time"),
     ("grammar_steps", "grammar_steps"),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens"),
 )
 
 
@@ -88,7 +91,8 @@ class EngineMetrics(StepObserver):
             self.request_queue_time, self.num_preemptions, self.prompt_tokens,
             self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
             self.grammar_mask_time, self.grammar_wait_time, self.grammar_steps,
-            *self._interop.values(),
+            self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens, *self._interop.values(),
         ):  # fmt: skip
             metric.labels(**self._model)
         for reason in FINISH_REASONS:
@@ -144,6 +148,16 @@ class EngineMetrics(StepObserver):
         )
         self.request_success = counter(
             "request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Speculative decoding: request steps that carried drafts."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted (rate: over draft tokens).",
         )
 
     def _grammar_series(self) -> None:

@@ -10,11 +10,18 @@ import pytest
 import yaml
 
 from llmpool import capacity, pinning
+from llmpool.engine.spec_decode.config import (
+    MAX_PROMPT_LOOKUP,
+    MAX_SPECULATIVE_TOKENS,
+    METHODS,
+    SpeculativeConfig,
+)
 from llmpool.operator import conditions, naming
 from llmpool.operator.adapters import adapter_status
 from llmpool.operator.spec import (
     DEFAULT_MAX_LORA_RANK,
     DEFAULT_MAX_LORAS,
+    SPECULATIVE_KEYS,
     AdapterSpec,
     LoraSettings,
     PoolSpec,
@@ -172,6 +179,7 @@ def test_cel_rules_are_well_formed(schema):
         ".spec",
         ".spec.model",
         ".spec.engine",
+        ".spec.engine.speculative",
         ".spec.rollout",
         ".spec.autoscaling",
     }
@@ -357,3 +365,17 @@ def test_status_adapters_match_the_operator(schema):
     [written] = adapter_status([AdapterSpec("sql", "/adapters/sql", ADAPTER_REVISION)], [])
     assert set(written) == set(item["properties"]) == set(item["required"])
     assert "loraBytes" in schema.at("status", "capacity")["properties"]
+
+
+def test_speculative_bounds_and_defaults_are_the_engines(schema):
+    speculative = schema.at("spec", "engine", "speculative")["properties"]
+    defaults = SpeculativeConfig()
+    assert speculative["method"]["enum"] == list(METHODS)
+    for field, key in SPECULATIVE_KEYS.items():
+        if field in ("method", "disableByBatchSize"):
+            continue
+        assert speculative[field]["default"] == getattr(defaults, key), field
+        assert speculative[field]["minimum"] == 1
+    assert speculative["numSpeculativeTokens"]["maximum"] == MAX_SPECULATIVE_TOKENS
+    assert speculative["promptLookupMax"]["maximum"] == MAX_PROMPT_LOOKUP
+    assert speculative["promptLookupMin"]["maximum"] == MAX_PROMPT_LOOKUP

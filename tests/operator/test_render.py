@@ -8,6 +8,7 @@ import json
 import pytest
 
 from llmpool import pinning
+from llmpool.engine.spec_decode.config import SpeculativeConfig
 from llmpool.fleet_key import ENGINE_KEY_ENV, ENGINE_KEY_FIELD, pool_engine_key
 from llmpool.operator import naming
 from llmpool.operator.engine_args import engine_args
@@ -404,3 +405,21 @@ def test_a_pool_without_lora_keeps_its_template(batch_spec):
     template = render(batch_spec, None)["spec"]["template"]
     assert naming.ADAPTER_ROOTS_ANNOTATION not in template["metadata"]["annotations"]
     assert render({**batch_spec, "adapters": []}, None)["spec"]["template"] == template
+
+
+def test_speculative_decoding_is_rendered_as_the_engine_json(batch_spec):
+    assert "--speculative-config" not in engine_args(PoolSpec.from_dict(batch_spec))
+    speculative = {"method": "ngram", "numSpeculativeTokens": 3, "disableByBatchSize": 8}
+    spec = {**batch_spec, "engine": {**batch_spec["engine"], "speculative": speculative}}
+    rendered = flag(engine_args(PoolSpec.from_dict(spec)), "--speculative-config")
+    assert json.loads(rendered) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": 8,
+    }
+    # What the engine parses: the keys and bounds of the CRD are the engine's.
+    assert SpeculativeConfig.parse(rendered) == SpeculativeConfig(
+        num_speculative_tokens=3, disable_by_batch_size=8
+    )
+    # Not pinned: the pool's pin, and so its fingerprint, is the same with or without it.
+    assert PoolSpec.from_dict(spec).pin == PoolSpec.from_dict(batch_spec).pin
