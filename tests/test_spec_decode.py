@@ -4,6 +4,7 @@ greedy output, which drafts must leave identical."""
 from __future__ import annotations
 
 import random
+from dataclasses import MISSING, fields, replace
 
 import pytest
 import torch
@@ -314,23 +315,20 @@ def test_stops_inside_accepted_runs_end_where_they_do_without_drafts(
     assert_no_blocks_held(speculating)
 
 
+# Every count zero: what a stats update says of an engine that has done nothing yet.
+IDLE_STATS = EngineStats(**{f.name: 0 for f in fields(EngineStats) if f.default is MISSING})
+
+
 def test_acceptance_counters_on_metrics() -> None:
     metrics = EngineMetrics("smollm2")
     for drafts, draft_tokens, accepted in ((2, 8, 3), (5, 20, 11)):
         metrics.on_stats(
-            EngineStats(
-                num_running=1,
-                num_waiting=0,
-                kv_cache_usage=0.1,
-                num_free_blocks=9,
-                num_total_blocks=10,
-                num_preemptions=0,
-                prefix_cache_queries=0,
-                prefix_cache_hits=0,
+            replace(
+                IDLE_STATS,
                 spec_decode_num_drafts=drafts,
                 spec_decode_num_draft_tokens=draft_tokens,
                 spec_decode_num_accepted_tokens=accepted,
-            )  # fmt: skip
+            )
         )
     values = {
         sample.name: sample.value

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from llmpool.bench.launch import build_in_ended_thread
-from llmpool.bench.results import RESULTS, script_command, write_json
+from llmpool.bench.results import script_command, write_report
 from llmpool.bench.stats import median_seconds
 from llmpool.bench.steps import ENDLESS, alternating_step_ms, gemm_weights, start_decoding
 from llmpool.engine import LLM
@@ -150,9 +150,7 @@ def main() -> None:
         "rows": rows,
     }
     name = "decode_step" if args.quantization == "none" else f"decode_step_{args.quantization}"
-    result = write_json(RESULTS / f"{name}.json", result, script_command(__file__))
-    (RESULTS / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_report(name, result, script_command(__file__), markdown)
 
 
 if __name__ == "__main__":

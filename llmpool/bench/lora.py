@@ -27,7 +27,7 @@ import torch
 from transformers import AutoConfig
 
 from llmpool.bench.offline import make_workload, run_llmpool
-from llmpool.bench.results import RESULTS, script_command, write_json
+from llmpool.bench.results import script_command, write_report
 from llmpool.engine import LLM, model_source
 from llmpool.engine.lora import LORA_TARGETS, LoRARequest
 from llmpool.engine.lora.adapter import random_adapter
@@ -135,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": vars(args),
         "levels": levels,
     }
-    report = write_json(RESULTS / "lora.json", report, script_command(__file__, argv))
-    (RESULTS / "lora.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report("lora", report, script_command(__file__, argv), markdown)
     return 0
 
 

@@ -10,7 +10,7 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,18 @@ def write_json(path: Path, report: dict[str, Any], command: str) -> dict[str, An
     stamped = {"command": command, **cpu_description(), **report}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stamped, indent=2) + "\n")
+    return stamped
+
+
+def write_report(
+    name: str, report: dict[str, Any], command: str, markdown: Callable[[dict[str, Any]], str]
+) -> dict[str, Any]:
+    """``RESULTS/name.json`` (stamped as ``write_json``) and ``RESULTS/name.md``, the markdown
+    also printed; returns the stamped report."""
+    stamped = write_json(RESULTS / f"{name}.json", report, command)
+    text = markdown(stamped)
+    (RESULTS / f"{name}.md").write_text(text)
+    print(text)
     return stamped
 
 

@@ -81,7 +81,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class MachineRoof:
-    """The rates measured in this run."""
+    """The rates measured in this run, with every server idle: GEMMs at the model's shapes in
+    ``dtype``, and reads of a buffer far larger than the caches."""
 
     dtype: str
     gemm_gflops: float

@@ -22,7 +22,7 @@ import time
 import torch
 
 from llmpool.bench.launch import build_in_ended_thread
-from llmpool.bench.results import RESULTS, script_command, write_json
+from llmpool.bench.results import script_command, write_report
 from llmpool.bench.workload import WORDS
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
@@ -193,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         for setting, speculative in (("off", None), ("on", args.speculative_config))
     }
     report = {"settings": vars(args), "results": compare(engines, args)}
-    report = write_json(RESULTS / "spec_decode.json", report, script_command(__file__, argv))
-    (RESULTS / "spec_decode.md").write_text(table(report))
-    print(table(report))
+    write_report("spec_decode", report, script_command(__file__, argv), table)
     return 0
 
 
