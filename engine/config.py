@@ -119,7 +119,13 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        checks = [
+        for ok, message in self._checks():
+            if not ok:
+                raise ValueError(message)
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        """(holds, what to say if not) for every setting."""
+        return [
             (self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}"),
             (
                 self.max_num_batched_tokens >= 1,
@@ -173,9 +179,6 @@ class EngineConfig:
                 "compile and enable_lora cannot be combined yet: LoRA steps run eager",
             ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
