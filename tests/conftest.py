@@ -19,7 +19,7 @@ import torch
 
 from llmpool.engine import model_source
 from llmpool.engine.cpu_features import cpu_flags
-from llmpool.engine.kernels.c_loader import AVX512_FLAGS
+from llmpool.engine.kernels.c_loader import AVX2_FLAGS, AVX512_FLAGS
 from llmpool.engine.lora.ops import LoraBatch, LoraWeights
 
 if TYPE_CHECKING:  # the engine (transformers) is imported by the tests that build one
@@ -30,7 +30,17 @@ def needs_cpu(*flags: str) -> pytest.MarkDecorator:
     """Skip where this CPU lacks ``flags`` (every AVX-512 flag of a C kernel's only build, plus
     ``flags``): the skip CI allows, as machines differ. A CPU that has them runs the test, so a
     kernel that fails to build there fails it."""
-    missing = sorted((AVX512_FLAGS | set(flags)) - cpu_flags())
+    return _needs(AVX512_FLAGS | set(flags))
+
+
+def needs_avx2() -> pytest.MarkDecorator:
+    """Skip where this CPU lacks the AVX2 kernels' flags (the skip CI allows, as for
+    :func:`needs_cpu`)."""
+    return _needs(AVX2_FLAGS)
+
+
+def _needs(flags: set[str] | frozenset[str]) -> pytest.MarkDecorator:
+    missing = sorted(flags - cpu_flags())
     return pytest.mark.skipif(bool(missing), reason=f"this CPU lacks {', '.join(missing)}")
 
 

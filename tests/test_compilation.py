@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmpool.engine import LLM, SamplingParams, compilation
-from llmpool.engine.kernels import bf16_gemm
+from llmpool.engine.kernels.capabilities import bfloat16_kernel, probe_kernels
 from llmpool.engine.models import linear
 from llmpool.engine.models.linear import GemmChoice
 
@@ -74,9 +74,9 @@ def test_compiled_bfloat16_gemm_choices_compile_nothing_after_start(
     """Decodes and chunks of up to 128 rows take ``linear``'s C-kernel branch (an opaque op in
     the graph) where the kernel is built, larger prefill chunks its upcast branch: size branches
     that the start-up compile must have covered, and the same functions as eager."""
-    kernel = bf16_gemm.KERNEL.available
+    kernel = bfloat16_kernel(probe_kernels(torch.device("cpu")))
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", lambda weight: 2.0)
-    monkeypatch.setattr(linear, "probe_bfloat16_kernel", lambda weight: 2.0)
+    monkeypatch.setattr(linear, "probe_bfloat16_kernel", lambda weight, kernel: 2.0)
     # ~450 tokens, so the prefill takes the upcast branch; not a repeated phrase, whose
     # continuations are near-ties that bfloat16 rounding (fused or not) flips
     prompts = [", ".join(str(number) for number in range(120)), "The capital of France is"]
@@ -85,7 +85,9 @@ def test_compiled_bfloat16_gemm_choices_compile_nothing_after_start(
     for compiled in (False, True):
         llm = LLM(dtype="bfloat16", compile=compiled, max_num_batched_tokens=512)
         assert llm.engine.kernels.gemm == GemmChoice(
-            linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None, linear.BFLOAT16_UPCAST_MIN_ROWS
+            linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None,
+            linear.BFLOAT16_UPCAST_MIN_ROWS,
+            kernel or "bf16_gemm",
         )
         graphs_before = compilation.num_compiled_graphs()
         tokens[compiled] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]

@@ -11,7 +11,8 @@ from torch import nn
 
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
-from llmpool.engine.kernels import bf16_gemm
+from llmpool.engine.kernels import avx2_gemm, bf16_gemm
+from llmpool.engine.kernels.capabilities import bfloat16_kernel
 from llmpool.engine.models import linear
 from llmpool.engine.models.linear import GemmChoice
 from tests.conftest import needs_cpu
@@ -140,26 +141,45 @@ def test_a_bfloat16_engine_upcasts_as_its_probe_says(
 ) -> None:
     probed: list[torch.Size] = []
 
-    def probe(weight: torch.Tensor) -> float:
-        probed.append(weight.shape)
+    def probe(weight: torch.Tensor, kernel: str | None = None) -> float:
+        probed.append((weight.shape, kernel))
         return speedup
 
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", probe)
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", probe)
+    monkeypatch.setattr(linear, "probe_float32_kernel", pytest.fail)
     with caplog.at_level(logging.INFO, logger="llmpool.engine.kernels.capabilities"):
         core = EngineCore(
             EngineConfig(dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
         )
-    kernel = bf16_gemm.KERNEL.available
-    projection = core.model.layers[0].gate_up_proj
-    assert probed == [projection.weight.shape] * (1 + kernel)
+    kernel = bfloat16_kernel(core.kernels)
+    shape = core.model.layers[0].gate_up_proj.weight.shape
+    assert probed == [(shape, kernel)] * (kernel is not None) + [(shape, None)]
     expected_kernel = linear.BFLOAT16_KERNEL_MAX_ROWS if kernel and speedup > 1.1 else None
-    assert core.kernels.gemm == GemmChoice(expected_kernel, expected)
+    assert core.kernels.gemm == GemmChoice(expected_kernel, expected, kernel or "bf16_gemm")
+    projection = core.model.layers[0].gate_up_proj
     assert projection.gemm is core.kernels.gemm is core.model.gemm
     assert f"{speedup:.2f}x as fast" in caplog.text
 
 
-def test_a_float32_engine_does_not_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("speedup", "expected"), [(2.0, linear.FLOAT32_KERNEL_MAX_ROWS), (1.0, None)]
+)
+def test_a_float32_engine_probes_the_float32_kernel_alone(
+    monkeypatch: pytest.MonkeyPatch, speedup: float, expected: int | None
+) -> None:
+    probed: list[torch.Size] = []
+
+    def probe(weight: torch.Tensor) -> float:
+        assert weight.dtype == torch.float32
+        probed.append(weight.shape)
+        return speedup
+
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", pytest.fail)
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", pytest.fail)
-    EngineCore(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory="16MiB"))
+    monkeypatch.setattr(linear, "probe_float32_kernel", probe)
+    core = EngineCore(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory="16MiB"))
+    built = avx2_gemm.KERNEL.available
+    shape = core.model.layers[0].gate_up_proj.weight.shape
+    assert probed == [shape] * built
+    assert core.kernels.gemm == GemmChoice(float32_kernel_max_rows=expected if built else None)

@@ -99,7 +99,7 @@ def test_decodes_of_far_apart_lengths_and_prefill_chunks(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_a_step_of_decodes_only(backend: Backend, dtype: torch.dtype, head_dim: int) -> None:
-    """head_dim 64 and 128 run the cpu backend's vector kernels where the CPU has AVX-512."""
+    """head_dim 64 and 128 run the cpu backend's vector kernels where the CPU has AVX2 or AVX-512."""
     seq_lens = [513, 1, 40, 1024, 77]
     _check(seq_lens, [1] * len(seq_lens), 16, 3, backend, dtype, head_dim)
     _check(seq_lens, [1] * len(seq_lens), 16, 8, backend, dtype, head_dim)  # 16 heads per KV head
@@ -110,7 +110,7 @@ def test_a_step_of_decodes_only(backend: Backend, dtype: torch.dtype, head_dim: 
 def test_the_portable_kernel_matches_too(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, head_dim: int
 ) -> None:
-    """The kernel built without instruction-set flags (what a CPU without AVX-512 runs)."""
+    """The kernel built without instruction-set flags (what a CPU without AVX2 runs)."""
     portable = cpu_decode.KERNEL.build([])
     assert portable is not None
     monkeypatch.setattr(cpu_decode.KERNEL, "library", lambda: portable)

@@ -30,6 +30,7 @@ from llmpool.engine.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+AVX2_FLAGS = frozenset({"avx2", "fma", "f16c", "bmi2"})
 AVX512_BUILD = ["-march=x86-64-v4", "-mprefer-vector-width=512"]
 AVX2_BUILD = ["-march=x86-64-v3"]
 BASE_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
@@ -42,7 +43,7 @@ def arch_flags() -> list[str]:
     flags = cpu_flags()
     if flags >= AVX512_FLAGS:
         return AVX512_BUILD
-    if {"avx2", "fma", "f16c", "bmi2"} <= flags:
+    if flags >= AVX2_FLAGS:
         return AVX2_BUILD
     return []
 

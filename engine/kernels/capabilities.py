@@ -1,8 +1,8 @@
 """What this engine's kernels can do here, probed once per engine and passed down.
 
-The C kernels build or not with the machine (a compiler, AVX-512, VNNI), torch's packed int4
-layout follows the vector width torch was dispatched for, and whether the bfloat16 C kernel or a
-float32 upcast outruns oneDNN is measured. The engine probes all of it once at start
+The C kernels build or not with the machine (a compiler, AVX2, AVX-512, VNNI), torch's packed
+int4 layout follows the vector width torch was dispatched for, and whether the few-row C GEMMs
+(or, for bfloat16, a float32 upcast) outrun torch's is measured. The engine probes all of it once at start
 (:func:`probe_kernels`) and gives the result to the backends and layers that choose by it; each
 layer keeps what it reads as plain attributes fixed before any forward, so that a compiled
 forward reads settled values instead of tracing a probe (which would break its graph).
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmpool.engine.kernels import bf16_gemm, cpu_decode, cpu_lora, vnni_gemm
+from llmpool.engine.kernels import avx2_gemm, bf16_gemm, cpu_decode, cpu_lora, vnni_gemm
 from llmpool.engine.models import int4, linear
 from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice
 
@@ -29,54 +29,84 @@ class KernelCapabilities:
     cpu_decode: bool = False  # cpu_decode.c: the CPU attention backend's decodes
     cpu_lora: bool = False  # cpu_lora.c: the CPU backend's adapter deltas
     bf16_gemm: bool = False  # bf16_gemm.c is built (AVX-512); whether it runs: ``gemm``
+    avx2_gemm: bool = False  # avx2_gemm.c is built (AVX2 and FMA); whether it runs: ``gemm``
     vnni_gemm: bool = False  # vnni_gemm.c: int8 and int4 decodes (AVX-512 VNNI and VBMI)
     torch_int4: bool = False  # torch's own packed int4 CPU kernel exists
     int4_pack_block: int = int4.INT4_OUT_MULTIPLE  # output block of torch's int4 layout
-    gemm: GemmChoice = TORCH_GEMMS  # which bfloat16 GEMMs run where
+    gemm: GemmChoice = TORCH_GEMMS  # which GEMMs run where
 
 
 def probe_kernels(
     device: torch.device,
     dtype: torch.dtype | None = None,
-    bfloat16_weight_shape: tuple[int, int] | None = None,
+    weight_shape: tuple[int, int] | None = None,
 ) -> KernelCapabilities:
     """The capabilities of an engine on ``device``: on CPU the C kernels are built (or found in
-    the cache) now. For a bfloat16 model on CPU, ``bfloat16_weight_shape`` (the widest dense
-    projection; None for quantized layers, which have their own kernels) is the GEMM the
-    bfloat16 choices are measured on."""
+    the cache) now. For a float32 or bfloat16 model on CPU, ``weight_shape`` (the widest dense
+    projection; None for quantized layers, which have their own kernels) is the GEMM the choices
+    of ``gemm`` are measured on."""
     on_cpu = device.type == "cpu"
     kernels = KernelCapabilities(
         cpu_decode=on_cpu and cpu_decode.KERNEL.available,
         cpu_lora=on_cpu and cpu_lora.KERNEL.available,
         bf16_gemm=on_cpu and bf16_gemm.KERNEL.available,
+        avx2_gemm=on_cpu and avx2_gemm.KERNEL.available,
         vnni_gemm=on_cpu and vnni_gemm.KERNEL.available,
         torch_int4=int4.torch_has_int4_cpu_kernel(),
         int4_pack_block=int4.probe_pack_block_n(),
     )
-    if on_cpu and dtype == torch.bfloat16 and bfloat16_weight_shape is not None:
-        weight = torch.randn(bfloat16_weight_shape, dtype=torch.bfloat16)
-        kernels = replace(kernels, gemm=choose_bfloat16_gemm(weight, kernels.bf16_gemm))
+    if not on_cpu or weight_shape is None:
+        return kernels
+    if dtype == torch.bfloat16:
+        weight = torch.randn(weight_shape, dtype=torch.bfloat16)
+        kernels = replace(kernels, gemm=choose_bfloat16_gemm(weight, bfloat16_kernel(kernels)))
+    elif dtype == torch.float32 and kernels.avx2_gemm:
+        kernels = replace(kernels, gemm=choose_float32_gemm(torch.randn(weight_shape)))
     return kernels
 
 
-def choose_bfloat16_gemm(weight: torch.Tensor, kernel_built: bool) -> GemmChoice:
-    """This CPU's faster bfloat16 GEMMs: the C kernel for decode rows, float32 for prefill rows.
+def bfloat16_kernel(kernels: KernelCapabilities) -> str | None:
+    """The few-row bfloat16 C kernel built here (a key of ``linear.BFLOAT16_KERNELS``): the
+    AVX-512 one, else the AVX2 one; None where neither is."""
+    if kernels.bf16_gemm:
+        return "bf16_gemm"
+    return "avx2_gemm" if kernels.avx2_gemm else None
+
+
+def choose_float32_gemm(weight: torch.Tensor) -> GemmChoice:
+    """This CPU's faster float32 GEMMs for decode rows: ``avx2_gemm`` where it outruns torch at
+    ``FLOAT32_KERNEL_MAX_ROWS`` rows of ``weight`` (a 2-core AVX2 EPYC: 1.4x; its lead grows as
+    the rows fall), else torch."""
+    speedup = linear.probe_float32_kernel(weight)
+    kernel = speedup >= linear.FLOAT32_KERNEL_MIN_SPEEDUP
+    logger.info(
+        "float32 GEMMs on this CPU: the C kernel runs %d rows %.2fx as fast, so GEMMs of up to"
+        " %d rows %s",
+        linear.FLOAT32_KERNEL_MAX_ROWS, speedup, linear.FLOAT32_KERNEL_MAX_ROWS,
+        "run in it" if kernel else "stay in torch",
+    )  # fmt: skip
+    return GemmChoice(float32_kernel_max_rows=linear.FLOAT32_KERNEL_MAX_ROWS if kernel else None)
+
+
+def choose_bfloat16_gemm(weight: torch.Tensor, kernel_name: str | None) -> GemmChoice:
+    """This CPU's faster bfloat16 GEMMs: a C kernel (``kernel_name``, None where none is built)
+    for decode rows, float32 for prefill rows.
 
     Measured on ``weight``, so that the choice follows the CPU (this project's Intel Xeon
-    without AMX: the kernel ~1.7x as fast at 16 rows, float32 1.3-1.6x at prefill sizes; where
-    oneDNN's bfloat16 GEMM is the faster, as with AMX, it stays).
+    without AMX: the AVX-512 kernel ~1.7x as fast at 16 rows, float32 1.3-1.6x at prefill sizes;
+    where oneDNN's bfloat16 GEMM is the faster, as with AMX, it stays).
     """
-    if kernel_built:
-        kernel_speedup = linear.probe_bfloat16_kernel(weight)
+    if kernel_name is not None:
+        kernel_speedup = linear.probe_bfloat16_kernel(weight, kernel_name)
         kernel = kernel_speedup >= linear.BFLOAT16_KERNEL_MIN_SPEEDUP
         says = [
-            f"the C kernel runs {linear.BFLOAT16_KERNEL_PROBE_ROWS} rows"
+            f"the C kernel ({kernel_name}) runs {linear.BFLOAT16_KERNEL_PROBE_ROWS} rows"
             f" {kernel_speedup:.2f}x as fast, so GEMMs of up to"
             f" {linear.BFLOAT16_KERNEL_MAX_ROWS} rows"
             + (" run in it" if kernel else " stay in torch")
         ]
     else:
-        kernel, says = False, ["no C kernel (it needs AVX-512 and a C compiler)"]
+        kernel, says = False, ["no C kernel (it needs AVX2 or AVX-512, and a C compiler)"]
     upcast_speedup = linear.probe_bfloat16_upcast(weight)
     upcast = upcast_speedup >= linear.BFLOAT16_UPCAST_MIN_SPEEDUP
     says.append(
@@ -88,4 +118,5 @@ def choose_bfloat16_gemm(weight: torch.Tensor, kernel_built: bool) -> GemmChoice
     return GemmChoice(
         bfloat16_kernel_max_rows=linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None,
         bfloat16_upcast_min_rows=linear.BFLOAT16_UPCAST_MIN_ROWS if upcast else None,
+        bfloat16_kernel=kernel_name or "bf16_gemm",
     )

@@ -28,7 +28,7 @@ static inline uint16_t float_to_bf16(float number) {
     return (uint16_t)(value.u >> 16);
 }
 
-/* 2^f on [0, 1): a degree-6 polynomial, shared by the scalar and the AVX-512 softmax. */
+/* 2^f on [0, 1): a degree-6 polynomial, shared by the scalar and the vector softmax. */
 #define EXP2_C6 1.535336188319500e-4f
 #define EXP2_C5 1.339887440266574e-3f
 #define EXP2_C4 9.618437357674640e-3f
@@ -163,48 +163,131 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16, any_head_dim)
 DEFINE_PAGED_DECODE(paged_decode_f32, float, same_float, same_float, any_head_dim)
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* AVX-512, head_dim 64 and 128 (most models): the same algorithm with each row as 4 or 8
- * vectors, a dot product as vector FMAs and one horizontal sum, the softmax 16 scores at a time
- * (2^x by vscalefps), and the output rounded to bfloat16 as above. Query heads per KV head up
- * to MAX_GROUP; wider groups use the portable kernel. */
+/* Vector code for head_dim 64 and 128 (most models), on AVX-512 (16 lanes) or AVX2 (8 lanes):
+ * the same algorithm with each row as HEAD_DIM / W vectors, a dot product as vector FMAs and one
+ * horizontal sum, the softmax W scores at a time (the tail of a sequence one by one, with the
+ * scalar exp_nonpositive), and the output rounded to bfloat16 as above. Query heads per KV head
+ * up to MAX_GROUP; wider groups use the portable kernel. Each instruction set defines the vector
+ * type VEC of W floats and the operations below; the kernel body is written once. */
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #define MAX_GROUP 16
 
-static inline __m512 load16_bf16(const uint16_t *p) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define W 16
+typedef __m512 VEC;
+#define vset1 _mm512_set1_ps
+#define vzero _mm512_setzero_ps
+#define vmul _mm512_mul_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmax _mm512_max_ps
+#define vfmadd _mm512_fmadd_ps
+#define vloadu _mm512_loadu_ps
+#define vstoreu _mm512_storeu_ps
+#define vreduce_add _mm512_reduce_add_ps
+#define vreduce_max _mm512_reduce_max_ps
+static inline VEC vload_bf16(const uint16_t *p) {
     __m256i half = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline void store16_bf16(uint16_t *p, __m512 x) {
+static inline void vstore_bf16(uint16_t *p, VEC x) {
     __m512i bits = _mm512_castps_si512(x);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
-static inline void store16_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
+/* 2^whole * p by vscalefps. */
+static inline VEC vscale(VEC p, VEC whole) { return _mm512_scalef_ps(p, whole); }
+static inline VEC vfloor(VEC x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+#else
+#define W 8
+typedef __m256 VEC;
+#define vset1 _mm256_set1_ps
+#define vzero _mm256_setzero_ps
+#define vmul _mm256_mul_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmax _mm256_max_ps
+#define vfmadd _mm256_fmadd_ps
+#define vloadu _mm256_loadu_ps
+#define vstoreu _mm256_storeu_ps
+static inline float vreduce_add(VEC a) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+static inline float vreduce_max(VEC a) {
+    const __m128 half = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 pairs = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_max_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+static inline VEC vload_bf16(const uint16_t *p) {
+    const __m128i half = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+static inline void vstore_bf16(uint16_t *p, VEC x) {
+    __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+/* 2^whole * p, the integer whole added to the exponent bits (whole >= -126 here). */
+static inline VEC vscale(VEC p, VEC whole) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+static inline VEC vfloor(VEC x) { return _mm256_floor_ps(x); }
+#endif
 
-static inline __m512 exp16_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, whole);
-    __m512 p = _mm512_set1_ps(EXP2_C6);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, whole);
+static inline VEC vload_f32(const float *p) { return vloadu(p); }
+static inline void vstore_f32(float *p, VEC x) { vstoreu(p, x); }
+
+/* exp_nonpositive, W lanes at a time. */
+static inline VEC vexp_nonpositive(VEC x) {
+    x = vmax(x, vset1(-87.0f));
+    const VEC t = vmul(x, vset1(1.44269504088896341f));
+    const VEC whole = vfloor(t);
+    const VEC f = vsub(t, whole);
+    VEC p = vset1(EXP2_C6);
+    p = vfmadd(p, f, vset1(EXP2_C5));
+    p = vfmadd(p, f, vset1(EXP2_C4));
+    p = vfmadd(p, f, vset1(EXP2_C3));
+    p = vfmadd(p, f, vset1(EXP2_C2));
+    p = vfmadd(p, f, vset1(EXP2_C1));
+    p = vfmadd(p, f, vset1(1.0f));
+    return vscale(p, whole);
 }
 
-#define DEFINE_PAGED_DECODE_AVX512(NAME, T, LOAD16, STORE16, PORTABLE, HEAD_DIM)                  \
+/* The softmax of n scores in place; returns 1 / their sum of exponentials, which the weighted
+ * sum of V is multiplied by at the end. */
+static inline float softmax_unnormalized(float *scores, int64_t n) {
+    VEC best = vset1(-INFINITY);
+    int64_t t = 0;
+    for (; t + W <= n; t += W) best = vmax(best, vloadu(scores + t));
+    float top = vreduce_max(best);
+    for (; t < n; ++t) top = scores[t] > top ? scores[t] : top;
+    const VEC top_v = vset1(top);
+    VEC total = vzero();
+    float tail = 0.0f;
+    for (t = 0; t + W <= n; t += W) {
+        const VEC e = vexp_nonpositive(vsub(vloadu(scores + t), top_v));
+        vstoreu(scores + t, e);
+        total = vadd(total, e);
+    }
+    for (; t < n; ++t) {
+        scores[t] = exp_nonpositive(scores[t] - top);
+        tail += scores[t];
+    }
+    return 1.0f / (vreduce_add(total) + tail);
+}
+
+#define DEFINE_PAGED_DECODE_SIMD(NAME, T, LOADV, STOREV, PORTABLE, HEAD_DIM)                      \
 void NAME(const T *query, const T *key_cache, const T *value_cache,                               \
           const int64_t *block_tables, const int64_t *seq_lens, T *out,                           \
           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t any_head_dim,        \
           int64_t block_size, int64_t max_blocks, float scale) {                                  \
-    enum { V = HEAD_DIM / 16 };                                                                   \
+    enum { V = HEAD_DIM / W };                                                                    \
     const int64_t group = num_heads / num_kv_heads;                                               \
     if (group > MAX_GROUP) {                                                                      \
         PORTABLE(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_heads, \
@@ -217,75 +300,58 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
     _Pragma("omp parallel")                                                                       \
     {                                                                                             \
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)longest);                                \
-        float *scores = malloc(sizeof(float) * (size_t)(group * longest + 16));                   \
+        float *scores = malloc(sizeof(float) * (size_t)(group * longest));                        \
         _Pragma("omp for schedule(dynamic, 1)")                                                   \
         for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {                          \
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;               \
             const T *q_in = query + (seq * num_heads + kv_head * group) * HEAD_DIM;               \
             const int64_t length = seq_lens[seq];                                                 \
             const int64_t *table = block_tables + seq * max_blocks;                               \
-            __m512 q[MAX_GROUP][V], acc[MAX_GROUP][V];                                            \
+            VEC q[MAX_GROUP][V], acc[MAX_GROUP][V];                                               \
             for (int64_t g = 0; g < group; ++g)                                                   \
                 for (int j = 0; j < V; ++j) {                                                     \
-                    q[g][j] = _mm512_mul_ps(LOAD16(q_in + g * HEAD_DIM + 16 * j),                 \
-                                            _mm512_set1_ps(scale));                               \
-                    acc[g][j] = _mm512_setzero_ps();                                              \
+                    q[g][j] = vmul(LOADV(q_in + g * HEAD_DIM + W * j), vset1(scale));             \
+                    acc[g][j] = vzero();                                                          \
                 }                                                                                 \
             position_rows(table, length, block_size, token_stride, kv_head * HEAD_DIM, rows);     \
             for (int64_t t = 0; t < length; ++t) {                                                \
                 const T *k = key_cache + rows[t];                                                 \
-                __m512 row[V];                                                                    \
-                for (int j = 0; j < V; ++j) row[j] = LOAD16(k + 16 * j);                          \
+                VEC row[V];                                                                       \
+                for (int j = 0; j < V; ++j) row[j] = LOADV(k + W * j);                            \
                 for (int64_t g = 0; g < group; ++g) {                                             \
-                    __m512 sum = _mm512_mul_ps(q[g][0], row[0]);                                  \
-                    for (int j = 1; j < V; ++j) sum = _mm512_fmadd_ps(q[g][j], row[j], sum);      \
-                    scores[g * length + t] = _mm512_reduce_add_ps(sum);                           \
+                    VEC sum = vmul(q[g][0], row[0]);                                              \
+                    for (int j = 1; j < V; ++j) sum = vfmadd(q[g][j], row[j], sum);               \
+                    scores[g * length + t] = vreduce_add(sum);                                    \
                 }                                                                                 \
             }                                                                                     \
             float inverse[MAX_GROUP];                                                             \
-            for (int64_t g = 0; g < group; ++g) {                                                 \
-                float *sg = scores + g * length;                                                  \
-                __m512 best = _mm512_set1_ps(-INFINITY);                                          \
-                for (int64_t t = 0; t < length; t += 16) {                                        \
-                    const __mmask16 m = length - t >= 16 ? 0xffff : (__mmask16)((1u << (length - t)) - 1); \
-                    best = _mm512_mask_max_ps(best, m, best, _mm512_maskz_loadu_ps(m, sg + t));   \
-                }                                                                                 \
-                const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));                    \
-                __m512 total = _mm512_setzero_ps();                                               \
-                for (int64_t t = 0; t < length; t += 16) {                                        \
-                    const __mmask16 m = length - t >= 16 ? 0xffff : (__mmask16)((1u << (length - t)) - 1); \
-                    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), top)); \
-                    _mm512_mask_storeu_ps(sg + t, m, e);                                          \
-                    total = _mm512_mask_add_ps(total, m, total, e);                               \
-                }                                                                                 \
-                inverse[g] = 1.0f / _mm512_reduce_add_ps(total);                                  \
-            }                                                                                     \
+            for (int64_t g = 0; g < group; ++g)                                                   \
+                inverse[g] = softmax_unnormalized(scores + g * length, length);                   \
             for (int64_t t = 0; t < length; ++t) {                                                \
                 const T *v = value_cache + rows[t];                                               \
-                __m512 row[V];                                                                    \
-                for (int j = 0; j < V; ++j) row[j] = LOAD16(v + 16 * j);                          \
+                VEC row[V];                                                                       \
+                for (int j = 0; j < V; ++j) row[j] = LOADV(v + W * j);                            \
                 for (int64_t g = 0; g < group; ++g) {                                             \
-                    const __m512 w = _mm512_set1_ps(scores[g * length + t]);                      \
-                    for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(w, row[j], acc[g][j]); \
+                    const VEC w = vset1(scores[g * length + t]);                                  \
+                    for (int j = 0; j < V; ++j) acc[g][j] = vfmadd(w, row[j], acc[g][j]);         \
                 }                                                                                 \
             }                                                                                     \
             T *o = out + (seq * num_heads + kv_head * group) * HEAD_DIM;                          \
             for (int64_t g = 0; g < group; ++g)                                                   \
                 for (int j = 0; j < V; ++j)                                                       \
-                    STORE16(o + g * HEAD_DIM + 16 * j,                                            \
-                            _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inverse[g])));                \
+                    STOREV(o + g * HEAD_DIM + W * j, vmul(acc[g][j], vset1(inverse[g])));         \
         }                                                                                         \
         free(scores);                                                                             \
         free(rows);                                                                               \
     }                                                                                             \
 }
 
-DEFINE_PAGED_DECODE_AVX512(paged_decode_bf16_64, uint16_t, load16_bf16, store16_bf16, paged_decode_bf16, 64)
-DEFINE_PAGED_DECODE_AVX512(paged_decode_bf16_128, uint16_t, load16_bf16, store16_bf16, paged_decode_bf16, 128)
-DEFINE_PAGED_DECODE_AVX512(paged_decode_f32_64, float, load16_f32, store16_f32, paged_decode_f32, 64)
-DEFINE_PAGED_DECODE_AVX512(paged_decode_f32_128, float, load16_f32, store16_f32, paged_decode_f32, 128)
+DEFINE_PAGED_DECODE_SIMD(paged_decode_bf16_64, uint16_t, vload_bf16, vstore_bf16, paged_decode_bf16, 64)
+DEFINE_PAGED_DECODE_SIMD(paged_decode_bf16_128, uint16_t, vload_bf16, vstore_bf16, paged_decode_bf16, 128)
+DEFINE_PAGED_DECODE_SIMD(paged_decode_f32_64, float, vload_f32, vstore_f32, paged_decode_f32, 64)
+DEFINE_PAGED_DECODE_SIMD(paged_decode_f32_128, float, vload_f32, vstore_f32, paged_decode_f32, 128)
 #else
-/* Without AVX-512 the head_dim-specific entry points are the portable kernel. */
+/* Without AVX2 or AVX-512 the head_dim-specific entry points are the portable kernel. */
 #define DEFINE_ALIAS(NAME, PORTABLE, T)                                                           \
 void NAME(const T *query, const T *key_cache, const T *value_cache,                               \
           const int64_t *block_tables, const int64_t *seq_lens, T *out,                           \

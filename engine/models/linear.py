@@ -1,11 +1,13 @@
 """Linear layers that pick the faster GEMM for the rows at hand on CPU.
 
-Three choices, each exact up to summation order:
+Four choices, each exact up to summation order:
 
-- float32, few rows: ``W·xᵀ`` instead of ``x·Wᵀ`` (``CPU_TRANSPOSED_MAX_ROWS``).
-- bfloat16, up to ``BFLOAT16_KERNEL_MAX_ROWS`` rows: the C kernel of ``bf16_gemm``, which reads
-  the bfloat16 weight and multiplies in float32, on CPUs where it outruns oneDNN
-  (``probe_bfloat16_kernel``, once per engine: :class:`GemmChoice`).
+- float32, up to ``FLOAT32_KERNEL_MAX_ROWS`` rows: the C kernel of ``avx2_gemm`` on CPUs where it
+  outruns torch (``probe_float32_kernel``, once per engine: :class:`GemmChoice`).
+- float32, few rows otherwise: ``W·xᵀ`` instead of ``x·Wᵀ`` (``CPU_TRANSPOSED_MAX_ROWS``).
+- bfloat16, up to ``BFLOAT16_KERNEL_MAX_ROWS`` rows: a C kernel that reads the bfloat16 weight and
+  multiplies in float32 (``bf16_gemm`` on AVX-512, ``avx2_gemm`` on AVX2), on CPUs where it
+  outruns oneDNN (``probe_bfloat16_kernel``).
 - bfloat16, more rows: the GEMM in float32 on the upcast operands, on CPUs whose float32 GEMM
   outruns their bfloat16 one (``probe_bfloat16_upcast``). A product of two bfloat16 values is
   exact in float32 and oneDNN's bfloat16 GEMM accumulates in float32 too, so only the
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from llmpool.engine.kernels import bf16_gemm
+from llmpool.engine.kernels import avx2_gemm, bf16_gemm
 
 if TYPE_CHECKING:  # the capabilities hold a GemmChoice
     from llmpool.engine.kernels.capabilities import KernelCapabilities
@@ -50,21 +52,36 @@ BFLOAT16_UPCAST_MIN_SPEEDUP = 1.2
 BFLOAT16_KERNEL_MAX_ROWS = 128
 BFLOAT16_KERNEL_PROBE_ROWS = 16
 BFLOAT16_KERNEL_MIN_SPEEDUP = 1.1
+# The few-row bfloat16 kernels by name (``GemmChoice.bfloat16_kernel``): the AVX-512 one, and the
+# AVX2 one for CPUs without AVX-512.
+BFLOAT16_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "bf16_gemm": bf16_gemm.linear,
+    "avx2_gemm": avx2_gemm.bf16_op,
+}
+
+# Up to this many rows ``avx2_gemm``'s float32 kernel runs a step's GEMMs faster than torch where
+# it is chosen (a 2-core AVX2 EPYC, SmolLM2's layers: 2.0x at 1 row, 1.6x at 8, 1.4x at 16, as
+# decode steps are bound by reading the weight); its probe asks about the largest of them.
+FLOAT32_KERNEL_MAX_ROWS = 16
+FLOAT32_KERNEL_MIN_SPEEDUP = 1.1
 
 
 @dataclass(frozen=True)
 class GemmChoice:
-    """Which bfloat16 GEMMs run where on this CPU, probed once per engine
-    (``kernels.capabilities``) and held by every layer that calls :func:`linear`; the default
-    is torch's own GEMMs throughout.
+    """Which GEMMs run where on this CPU, probed once per engine (``kernels.capabilities``) and
+    held by every layer that calls :func:`linear`; the default is torch's own GEMMs throughout.
 
-    ``bfloat16_kernel_max_rows``: GEMMs of at most this many rows run in ``bf16_gemm`` (None:
-    never). ``bfloat16_upcast_min_rows``: GEMMs of at least this many rows run in float32 on the
-    upcast operands (None: never).
+    ``bfloat16_kernel_max_rows``: bfloat16 GEMMs of at most this many rows run in the C kernel
+    named by ``bfloat16_kernel`` (a key of ``BFLOAT16_KERNELS``; None: never).
+    ``bfloat16_upcast_min_rows``: bfloat16 GEMMs of at least this many rows run in float32 on the
+    upcast operands (None: never). ``float32_kernel_max_rows``: float32 GEMMs of at most this
+    many rows run in ``avx2_gemm`` (None: never).
     """
 
     bfloat16_kernel_max_rows: int | None = None
     bfloat16_upcast_min_rows: int | None = None
+    bfloat16_kernel: str = "bf16_gemm"
+    float32_kernel_max_rows: int | None = None
 
 
 TORCH_GEMMS = GemmChoice()
@@ -98,14 +115,25 @@ def probe_bfloat16_upcast(
 
 
 def probe_bfloat16_kernel(
-    weight: torch.Tensor, rows: int = BFLOAT16_KERNEL_PROBE_ROWS, repeats: int = 7
+    weight: torch.Tensor,
+    kernel: str = "bf16_gemm",
+    rows: int = BFLOAT16_KERNEL_PROBE_ROWS,
+    repeats: int = 7,
 ) -> float:
-    """How many times faster ``bf16_gemm`` multiplies ``rows`` rows by the bfloat16 ``weight``
-    than torch does on this CPU."""
+    """How many times faster the C kernel ``kernel`` (a key of ``BFLOAT16_KERNELS``) multiplies
+    ``rows`` rows by the bfloat16 ``weight`` than torch does on this CPU."""
     x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
-    return _speedup(
-        lambda: nn.functional.linear(x, weight), lambda: bf16_gemm.bf16_linear(x, weight), repeats
-    )
+    run = BFLOAT16_KERNELS[kernel]
+    return _speedup(lambda: nn.functional.linear(x, weight), lambda: run(x, weight), repeats)
+
+
+def probe_float32_kernel(
+    weight: torch.Tensor, rows: int = FLOAT32_KERNEL_MAX_ROWS, repeats: int = 7
+) -> float:
+    """How many times faster ``avx2_gemm`` multiplies ``rows`` rows by the float32 ``weight``
+    than torch's float32 path of :func:`linear` does on this CPU."""
+    x = torch.randn(rows, weight.shape[1])
+    return _speedup(lambda: linear(x, weight), lambda: avx2_gemm.f32_linear(x, weight), repeats)
 
 
 def _upcast_linear(
@@ -121,7 +149,7 @@ def linear(
     bias: torch.Tensor | None = None,
     gemm: GemmChoice = TORCH_GEMMS,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``, bfloat16 on CPU as ``gemm`` says.
+    """``x @ weight.T + bias``, on CPU as ``gemm`` says.
 
     Decode batches are a few rows against a large weight. On one thread both orientations take
     the same time; on two, MKL's split of x·Wᵀ with few rows barely gains, while W·xᵀ has the
@@ -132,7 +160,7 @@ def linear(
     if x.dtype == torch.bfloat16:
         max_rows = gemm.bfloat16_kernel_max_rows
         if max_rows is not None and x.shape[0] <= max_rows:
-            out = bf16_gemm.linear(x, weight)
+            out = BFLOAT16_KERNELS[gemm.bfloat16_kernel](x, weight)
             return out if bias is None else out + bias
         min_rows = gemm.bfloat16_upcast_min_rows
         if min_rows is not None and x.shape[0] >= min_rows:
@@ -140,7 +168,11 @@ def linear(
         return nn.functional.linear(x, weight, bias)
     if x.dtype != torch.float32 or x.shape[0] > CPU_TRANSPOSED_MAX_ROWS:
         return nn.functional.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t().contiguous()
+    max_rows = gemm.float32_kernel_max_rows
+    if max_rows is not None and x.shape[0] <= max_rows:
+        out = avx2_gemm.f32_op(x, weight)
+    else:
+        out = torch.mm(weight, x.t()).t().contiguous()
     return out if bias is None else out + bias
 
 

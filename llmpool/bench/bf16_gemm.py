@@ -44,23 +44,30 @@ WAYS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 
-def step_gemms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str, Any]:
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16) for w in weights}
-    ms = gemm_ms(weights, WAYS, lambda weight: inputs[weight.shape[1]], rounds)
+def step_gemms(
+    weights: list[torch.Tensor],
+    rows: int,
+    rounds: int,
+    ways: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = WAYS,
+) -> dict[str, Any]:
+    """A step's GEMMs at ``rows`` rows of the weights' dtype, each way of ``ways`` (``kernel``
+    among them) timed; the ratios are each other way's time over the kernel's."""
+    dtype = weights[0].dtype
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in weights}
+    ms = gemm_ms(weights, ways, lambda weight: inputs[weight.shape[1]], rounds)
     with torch.inference_mode():
         x, weight = inputs[weights[2].shape[1]], weights[2]  # a gate_up projection
         product = torch.nn.functional.linear(x.float(), weight.float())
         differences = {
             name: float((way(x, weight).float() - product).abs().max())
-            for name, way in WAYS.items()
+            for name, way in ways.items()
         }
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     flops = sum(2 * rows * w.numel() for w in weights)
     return {
         "rows": rows,
         "ms": ms,
-        "torch_over_kernel": ms["torch"] / ms["kernel"],
-        "upcast_over_kernel": ms["upcast"] / ms["kernel"],
+        **{f"{name}_over_kernel": ms[name] / ms["kernel"] for name in ms if name != "kernel"},
         "weight_GB_per_s": {name: weight_bytes / t / 1e6 for name, t in ms.items()},
         "GFLOP_per_s": {name: flops / t / 1e6 for name, t in ms.items()},
         "max_abs_difference_from_float32": differences,
