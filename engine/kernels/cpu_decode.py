@@ -32,15 +32,17 @@ def paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    library: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[decodes, heads, head_dim]`` (contiguous, the caches' dtype),
     one token per sequence, over contiguous caches ``[blocks, block_size, kv_heads, head_dim]``
-    through int64 ``block_tables`` ``[decodes, max_blocks]`` and ``seq_lens`` ``[decodes]``."""
+    through int64 ``block_tables`` ``[decodes, max_blocks]`` and ``seq_lens`` ``[decodes]``.
+    ``library``: another build of the kernel (a benchmark's portable one); default this CPU's."""
     out = torch.empty_like(query)
     num_decodes, num_heads, head_dim = query.shape
     if num_decodes:
         name = SYMBOLS.get((query.dtype, head_dim), SYMBOLS[query.dtype, None])
-        getattr(KERNEL.built(), name)(
+        getattr(library or KERNEL.built(), name)(
             query.data_ptr(),
             key_cache.data_ptr(),
             value_cache.data_ptr(),

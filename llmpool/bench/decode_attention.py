@@ -1,16 +1,18 @@
 """Decode attention on CPU: the cpu backend (``cpu_decode.c``) against the torch backend.
 
-Two measurements, each alternating between the two backends in one process:
+Two measurements, each alternating between the ways in one process:
 
 - one layer's attention for ``c`` decodes of 40-700-token contexts (random block tables over a
   shared pool, SmolLM2's 9 query and 3 KV heads of 64), both dtypes, with the largest
-  difference between the outputs;
+  difference between the outputs: the torch backend, the cpu backend, and the cpu backend's
+  kernel built portable (no instruction-set flags: what the vector code is measured against);
 - the engine's whole decode step (bfloat16) with ``c`` requests of such prompts decoding,
   one engine per backend, rounds of steps alternating between them.
 
     python benchmarks/decode_attention.py --concurrency 1 16 64
 
-Writes ``benchmarks/results/decode_attention.json`` with the CPU model.
+Writes ``benchmarks/results/decode_attention.json`` (``--name``: another name) with the CPU
+model.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from llmpool.bench.steps import (
 )
 from llmpool.engine import LLM
 from llmpool.engine.attention import CPU, TORCH, AttentionMetadata, Backend
+from llmpool.engine.kernels import cpu_decode
 from llmpool.engine.kv_cache import LayerKVCache
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 9, 3, 64
@@ -77,14 +80,26 @@ def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dic
 
         return run
 
-    ms = alternating_step_ms({name: attend(name) for name in backends}, rounds, steps=10)
+    portable_build = cpu_decode.KERNEL.build([])  # built once, then found in the kernel cache
+
+    def portable() -> None:
+        plan = plans["cpu"]
+        outputs["portable"] = cpu_decode.paged_decode(
+            query, cache.key, cache.value, plan.decode_block_tables, plan.decode_seq_lens,
+            HEAD_DIM**-0.5, library=portable_build,
+        )  # fmt: skip
+
+    ways = {name: attend(name) for name in backends} | {"portable": portable}
+    ms = alternating_step_ms(ways, rounds, steps=10)
     medians = {name: value * 1e3 for name, value in ms.items()}
     return {
         "us": medians,
         "torch_over_cpu": medians["torch"] / medians["cpu"],
-        "max_abs_difference": float(
-            (outputs["torch"].float() - outputs["cpu"].float()).abs().max()
-        ),
+        "portable_over_cpu": medians["portable"] / medians["cpu"],
+        "max_abs_difference": {
+            name: float((outputs["torch"].float() - outputs[name].float()).abs().max())
+            for name in ("cpu", "portable")
+        },
     }
 
 
@@ -121,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--name", default="decode_attention")
     args = parser.parse_args()
     layers = []
     for dtype in (torch.bfloat16, torch.float32):
@@ -134,7 +150,7 @@ def main() -> None:
         "layer": layers,
         "step_bfloat16": step_milliseconds(args.concurrency, args.rounds),
     }
-    write_json(RESULTS / "decode_attention.json", report, script_command(__file__))
+    write_json(RESULTS / f"{args.name}.json", report, script_command(__file__))
 
 
 if __name__ == "__main__":
