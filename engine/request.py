@@ -10,7 +10,6 @@ import torch
 
 from llmpool.engine.block_hash import BlockHash
 from llmpool.engine.sampling_params import SamplingParams
-from llmpool.engine.spec_decode.backoff import DraftBackoff
 from llmpool.engine.structured_outputs import GrammarMatcher
 
 if TYPE_CHECKING:
@@ -81,10 +80,8 @@ class Request:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         # Logprobs of generated tokens, filled by the engine when asked for.
         self.output_logprobs: list[dict[int, float]] = []
-        # Draft tokens the scheduler gave this step, verified by the sampler (spec_decode), and
-        # when drafting pauses after rejected ones.
+        # Draft tokens the scheduler gave this step, verified by the sampler (spec_decode).
         self.spec_token_ids: list[int] = []
-        self.draft_backoff = DraftBackoff()
 
     @property
     def can_speculate(self) -> bool:

@@ -153,7 +153,6 @@ class Scheduler:
             or num_new != 1
             or request.num_tokens - request.num_computed_tokens != 1
             or not request.can_speculate
-            or not request.draft_backoff.allows(request.num_output_tokens)
             or (
                 config.disable_by_batch_size is not None
                 and len(self.running) >= config.disable_by_batch_size
@@ -271,9 +270,6 @@ class Scheduler:
                 self.spec_decoding.num_drafts += 1
                 self.spec_decoding.num_draft_tokens += num_drafts
                 self.spec_decoding.num_accepted_tokens += num_accepted
-                request.draft_backoff.record(
-                    num_accepted, request.num_output_tokens + len(token_ids)
-                )
             num_appended = 0
             for token_id in token_ids:
                 request.append_output_token(token_id)

@@ -21,7 +21,6 @@ from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.scheduler import Scheduler
 from llmpool.engine.server.cli import build_parser, engine_config
 from llmpool.engine.server.metrics import EngineMetrics
-from llmpool.engine.spec_decode.backoff import MAX_PAUSE_TOKENS, DraftBackoff
 from llmpool.engine.spec_decode.config import SpeculativeConfig
 from llmpool.engine.spec_decode.ngram import NgramProposer
 from llmpool.engine.structured_outputs import StructuredOutputsParams
@@ -208,42 +207,6 @@ def test_no_drafts_at_or_above_the_batch_size_limit() -> None:
         assert [r.spec_token_ids for r in scheduler.running] == (
             [[1, 2, 3]] if speculates else [[], []]
         )
-
-
-def test_backoff_pauses_longer_after_each_miss_and_resets_on_an_accept() -> None:
-    backoff = DraftBackoff()
-    resumes = []
-    for output_len in range(1, 7):
-        backoff.record(0, output_len)
-        resumes.append(backoff.resume_at - output_len)
-    assert resumes[0] == -1  # the first miss does not pause
-    assert resumes[1:] == [2, 4, 8, 16, 32]
-    for _ in range(10):
-        backoff.record(0, 100)
-    assert backoff.resume_at == 100 + MAX_PAUSE_TOKENS
-    assert not backoff.allows(163) and backoff.allows(164)
-    backoff.record(1, 200)
-    assert backoff.misses == 0 and backoff.allows(200)
-
-
-def test_a_request_whose_drafts_are_rejected_drafts_less_then_again_once_accepted() -> None:
-    """Fake verification rejects every draft for 40 steps, then accepts every one."""
-    scheduler = Scheduler(KVCacheManager(256, 4), 8, 64, 1024, SpeculativeConfig(**SPEC_CONFIG))
-    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
-    scheduler.add_request(Request("0", [1, 2, 3] * 4, params, frozenset()))
-    drafted_steps = []
-    for step in range(100):
-        output = scheduler.schedule()
-        (request,) = output.requests
-        drafts = request.spec_token_ids
-        drafted_steps.append(bool(drafts))
-        accepted = drafts if step >= 40 else []
-        scheduler.update_from_output(output, {"0": [*accepted, 1]})
-    # misses 1 and 2 draft back to back, then pauses of 2, 4, 8, 16 tokens
-    assert sum(drafted_steps[:40]) <= 6
-    # the pause running at step 40 (32 tokens) ends, the first draft after it is accepted and
-    # resets the backoff: every step drafts again
-    assert all(drafted_steps[-20:])
 
 
 # --- the engine, real model ------------------------------------------------------------------

@@ -34,8 +34,9 @@ from llmpool.bench.steps import (
     start_decoding,
 )
 from llmpool.engine import LLM
-from llmpool.engine.attention import CPU, TORCH, AttentionMetadata, Backend
+from llmpool.engine.attention import TORCH, AttentionMetadata, Backend, select_backend
 from llmpool.engine.kernels import cpu_decode
+from llmpool.engine.kernels.capabilities import probe_kernels
 from llmpool.engine.kv_cache import LayerKVCache
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 9, 3, 64
@@ -68,7 +69,11 @@ def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dic
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     cache = LayerKVCache(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
     query = torch.randn(concurrency, NUM_HEADS, HEAD_DIM).to(dtype)
-    backends: dict[str, Backend] = {"torch": TORCH, "cpu": CPU}
+    cpu = torch.device("cpu")
+    backends: dict[str, Backend] = {
+        "torch": TORCH,
+        "cpu": select_backend(cpu, "cpu", dtype, kernels=probe_kernels(cpu)),
+    }
     plans = {name: backend.plan(meta) for name, backend in backends.items()}
     outputs = {}
 
