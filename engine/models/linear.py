@@ -94,7 +94,8 @@ def _speedup(native: Callable[[], object], candidate: Callable[[], object], repe
     its cores is slower by however long it waited, which says nothing about the GEMM (on a
     2-core EPYC with two other servers starting, the median ratio put the AVX2 bfloat16 kernel
     at 0.90x of torch; idle, it is 6.6x)."""
-    native_seconds, candidate_seconds = [], []
+    native_seconds: list[float] = []
+    candidate_seconds: list[float] = []
     with torch.inference_mode():
         for _ in range(repeats):
             for run, seconds in ((native, native_seconds), (candidate, candidate_seconds)):
