@@ -3,8 +3,8 @@
 Decode steps multiply a few rows by every weight. On CPUs without AVX-512, torch streams a float32
 weight at about half the memory bandwidth at one row and emulates bfloat16; these kernels read
 the weight once per tile of 4 rows and multiply in float32 (a 2-core AVX2 AMD EPYC, a step's
-GEMMs of SmolLM2 with 30 distinct layers: float32 2.0x as fast at 1 row, 1.4x at 16; bfloat16
-1.5x at 1 row, 6.6x at 16; ``benchmarks/bf16_gemm.py``). Whether they run is measured at start
+GEMMs of SmolLM2: float32 2.2x as fast at 1 row, 1.35x at 16; bfloat16 1.4x at 1 row, 6.6x at
+16; ``benchmarks/avx2_gemm.py``). Whether they run is measured at start
 (``kernels.capabilities``); on AVX-512 CPUs ``bf16_gemm.c`` takes bfloat16 instead.
 """
 

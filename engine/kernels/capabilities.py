@@ -75,7 +75,7 @@ def bfloat16_kernel(kernels: KernelCapabilities) -> str | None:
 
 def choose_float32_gemm(weight: torch.Tensor) -> GemmChoice:
     """This CPU's faster float32 GEMMs for decode rows: ``avx2_gemm`` where it outruns torch at
-    ``FLOAT32_KERNEL_MAX_ROWS`` rows of ``weight`` (a 2-core AVX2 EPYC: 1.4x; its lead grows as
+    ``FLOAT32_KERNEL_MAX_ROWS`` rows of ``weight`` (a 2-core AVX2 EPYC: 1.35x; its lead grows as
     the rows fall), else torch."""
     speedup = linear.probe_float32_kernel(weight)
     kernel = speedup >= linear.FLOAT32_KERNEL_MIN_SPEEDUP

@@ -59,8 +59,8 @@ BFLOAT16_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 }
 
 # Up to this many rows ``avx2_gemm``'s float32 kernel runs a step's GEMMs faster than torch where
-# it is chosen (a 2-core AVX2 EPYC, SmolLM2's layers: 2.0x at 1 row, 1.6x at 8, 1.4x at 16, as
-# decode steps are bound by reading the weight); its probe asks about the largest of them.
+# it is chosen (a 2-core AVX2 EPYC, a step's GEMMs of SmolLM2: 2.2x at 1 row, 1.5x at 4, 1.35x
+# at 16, 1.05x at 64; benchmarks/avx2_gemm.py); its probe asks about the largest of them.
 FLOAT32_KERNEL_MAX_ROWS = 16
 FLOAT32_KERNEL_MIN_SPEEDUP = 1.1
 
