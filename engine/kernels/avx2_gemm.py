@@ -14,18 +14,11 @@ import ctypes
 
 import torch
 
-from llmpool.engine.cpu_features import cpu_flags
-from llmpool.engine.kernels.c_loader import AVX2_BUILD, AVX2_FLAGS, CKernel
+from llmpool.engine.kernels.c_loader import CKernel, avx2_or_wider
 
 SIGNATURE = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
 
-
-def _avx2_build() -> list[str] | None:
-    """The kernels' only build: x86-64 CPUs with AVX2 and FMA (AVX-512 ones included)."""
-    return AVX2_BUILD if cpu_flags() >= AVX2_FLAGS else None
-
-
-KERNEL = CKernel("avx2_gemm.c", {"f32_linear": SIGNATURE, "bf16_linear": SIGNATURE}, _avx2_build)
+KERNEL = CKernel("avx2_gemm.c", {"f32_linear": SIGNATURE, "bf16_linear": SIGNATURE}, avx2_or_wider)
 
 
 def _gemm(symbol: str, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

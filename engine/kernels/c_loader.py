@@ -161,3 +161,9 @@ class CKernel:
 def avx512_only() -> list[str] | None:
     """:attr:`CKernel.arch` of kernels written for AVX-512 alone."""
     return AVX512_BUILD if arch_flags() == AVX512_BUILD else None
+
+
+def avx2_or_wider() -> list[str] | None:
+    """:attr:`CKernel.arch` of kernels written for AVX2: this CPU's widest level (AVX-512 CPUs
+    have AVX2 too), None where it has no AVX2."""
+    return arch_flags() or None
