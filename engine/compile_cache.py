@@ -41,6 +41,8 @@ KEY_FILE = "key.json"  # the key's fields, for whoever lists the cache
 DISABLED = ("", "none")
 
 CacheState = Literal["hit", "miss", "off"]
+# off: eager by configuration; compiling: eager until the compile ends; failed: eager for good.
+CompileState = Literal["off", "compiling", "compiled", "failed"]
 
 
 def default_root() -> Path:
@@ -94,19 +96,24 @@ def cache_key(fields: Mapping[str, str]) -> str:
 
 @dataclass
 class CompileReport:
-    """What the start-up compile did, for the log and ``/fingerprint``."""
+    """What the compile did and where it is, for the log and ``/fingerprint``; the compile's
+    thread updates it while the engine serves (``engine/background_compile.py``)."""
 
     enabled: bool
+    state: CompileState = "off"
     cache: CacheState = "off"
     key: str | None = None
     seconds: float = 0.0
+    error: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {
             "enabled": self.enabled,
+            "state": self.state,
             "cache": self.cache,
             "key": self.key,
             "seconds": round(self.seconds, 1),
+            "error": self.error,
         }
 
 

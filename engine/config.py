@@ -100,8 +100,8 @@ class EngineConfig:
     kv_cache_dtype: str = (
         "auto"  # auto: the model's dtype; fp8: e4m3 (per-layer scales calibrated at load)
     )
-    # Compile the decoder with inductor at start (CPU; needs a C++ compiler): fused per-layer
-    # ops, every batch size compiled before the first request (engine/compilation.py).
+    # Compile the decoder with inductor (CPU; needs a C++ compiler): fused per-layer ops, every
+    # batch size compiled while the engine serves eager (engine/background_compile.py).
     compile: bool = False
     # Where compiled artifacts are kept between starts (engine/compile_cache.py): None is
     # $XDG_CACHE_HOME/llmpool/compile (else ~/.cache/llmpool/compile); '' or 'none' keeps none.

@@ -1,5 +1,5 @@
 """Building an engine, one function per step: read the checkpoint, load the model, size and
-allocate the KV cache, calibrate fp8 KV scales, probe the kernels, compile.
+allocate the KV cache, calibrate fp8 KV scales, probe the kernels, start the compile.
 
 ``LoadedEngine`` runs them in that order; ``EngineCore`` adds the step loop to what it builds.
 """
@@ -7,7 +7,6 @@ allocate the KV cache, calibrate fp8 KV scales, probe the kernels, compile.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,9 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from llmpool import capacity
-from llmpool.engine import compilation, model_source
+from llmpool.engine import model_source
 from llmpool.engine.attention import Backend, check_kv_cache_dtype, select_backend
+from llmpool.engine.background_compile import BackgroundCompile
 from llmpool.engine.compile_cache import CompileCache, CompileReport, cache_root, environment_fields
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.kernels.capabilities import KernelCapabilities
@@ -85,15 +85,26 @@ class LoadedEngine:
         if kv_dtype == FP8_DTYPE:
             token_ids = self.tokenizer.encode(KV_CALIBRATION_TEXT)[: self.max_model_len]
             calibrate_fp8_kv_scales(self.model, token_ids, block_size, self.dtype)
-        self.compile_report = CompileReport(enabled=config.compile)
+        self.compile: BackgroundCompile | None = None
         if config.compile:
             max_tokens = min(
                 config.max_num_batched_tokens, self.max_model_len, num_blocks * block_size
             )
-            cache = self.compile_cache(max_tokens)
-            self.compile_report = compile_decoder(
-                self.model, self.kv_caches, block_size, max_tokens, cache
+            self.compile = BackgroundCompile(
+                self.model, self.kv_caches, block_size, max_tokens, self.compile_cache(max_tokens)
             )
+            self.compile.start()
+
+    @property
+    def compile_report(self) -> CompileReport:
+        """Where the decoder's compile stands (state "off" without ``config.compile``)."""
+        return CompileReport(enabled=False) if self.compile is None else self.compile.report
+
+    def wait_for_compile(self, timeout: float | None = None) -> None:
+        """Block until the compiled decoder is in use (no-op without ``config.compile``); raise
+        what made the compile fail. The server does not wait: it serves eager meanwhile."""
+        if self.compile is not None:
+            self.compile.wait(timeout)
 
     def compile_cache(self, max_tokens: int) -> CompileCache | None:
         """The cache entry for this engine's compiled decoder; None where the cache is off.
@@ -286,45 +297,3 @@ def probe_kernels(
             else "torch's weight-only kernels (the VNNI ones need AVX-512 VNNI and VBMI and gcc)",
         )
     return kernels
-
-
-def compile_decoder(
-    model: LlamaForCausalLM,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    block_size: int,
-    max_tokens: int,
-    cache: CompileCache | None,
-) -> CompileReport:
-    """Compile the decoder for every step size up to ``max_tokens`` (engine/compilation.py),
-    from ``cache``'s artifacts where it holds them, and store them there where it did not."""
-    compilation.check_can_compile(model.cos_sin_cache.device)
-    started = time.monotonic()
-    hit = cache is not None and cache.load()
-    if cache is None:
-        logger.info("compiling the decoder (compile cache off)")
-    elif hit:
-        logger.info(
-            "compiling the decoder from cached artifacts (key %s in %s)", cache.key, cache.root
-        )
-    else:
-        logger.info(
-            "compiling the decoder (cold: no cached artifacts for key %s in %s)",
-            cache.key,
-            cache.root,
-        )
-    graphs = compilation.compile_all_sizes(model, kv_caches, block_size, max_tokens)
-    if cache is not None and not hit:
-        artifacts = torch.compiler.save_cache_artifacts()
-        if artifacts is not None:
-            cache.save(artifacts[0])
-    report = CompileReport(
-        enabled=True,
-        cache="off" if cache is None else "hit" if hit else "miss",
-        key=None if cache is None else cache.key,
-        seconds=time.monotonic() - started,
-    )
-    logger.info(
-        "compiled the decoder%s: %d graphs for 1..%d tokens in %.0f s",
-        " from cache" if hit else "", graphs, max_tokens, report.seconds,
-    )  # fmt: skip
-    return report

@@ -200,6 +200,13 @@ class EngineCore(LoadedEngine):
     # --- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        """Schedule, run and sample one batch; the deltas of the requests it advanced."""
+        if self.compile is not None and self.compile.running:
+            with self.compile.serving():
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[RequestDelta]:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.runner.timings.schedule += time.perf_counter() - started

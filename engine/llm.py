@@ -22,6 +22,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        # Offline generation has no first requests to serve eager: compiled before it returns.
+        self.engine.wait_for_compile()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

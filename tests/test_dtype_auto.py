@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from llmpool.engine import cpu_features
-from llmpool.engine.compile_cache import CompileReport
 from llmpool.engine.config import EngineConfig, resolve_dtype
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.server import fingerprint
@@ -115,7 +114,6 @@ def test_fingerprint_says_the_dtype_and_why_outside_the_pin(
             resolved_dtype=resolved,
             kv_dtype_name=resolved.name,
             backend=SimpleNamespace(name="torch"),
-            compile_report=CompileReport(enabled=False),
         )
         return fingerprint.build_fingerprint(core, "m", None, None)  # type: ignore[arg-type]
 

@@ -514,11 +514,12 @@ def test_sample_pool_serves_and_reports_ready(
 
 
 @needs_engine
-def test_a_compiled_pool_compiles_before_ready_and_serves(
+def test_a_compiled_pool_serves_while_it_compiles_then_runs_compiled(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
-    """``engine.compile``: the replica compiles every batch size (inductor, with the image's g++,
-    its kernels under the pod's /tmp on a read-only root) before its readiness probe passes."""
+    """``engine.compile``: the replica turns Ready and serves eager while it compiles every batch
+    size in the background (inductor, with the image's g++, its kernels under the pod's /tmp on
+    a read-only root), then says in its log and /fingerprint that it runs compiled."""
     documents = example()
     spec = documents[1]["spec"]
     spec["replicas"] = 1
@@ -528,9 +529,21 @@ def test_a_compiled_pool_compiles_before_ready_and_serves(
     wait_pool_ready(cluster, namespace, POOL)
     (pod,) = live_pods(cluster, namespace, POOL)
     assert "--compile" in pod["spec"]["containers"][0]["args"]
-    reply = chat(pod["status"]["podIP"], "smollm2")
+    ip = pod["status"]["podIP"]
+    reply = chat(ip, "smollm2")
     assert reply["choices"][0]["message"]["role"] == "assistant"
+
+    def compile_report() -> dict[str, Any] | None:
+        with urllib.request.urlopen(f"http://{ip}:8000/fingerprint", timeout=60) as response:
+            report = json.loads(response.read())["observed"]["compile"]
+        assert report["state"] != "failed", report
+        return report if report["state"] == "compiled" else None
+
+    report = wait_for("the compiled decoder", compile_report, ENGINE_START_SECONDS, interval=5)
+    assert report["enabled"] and report["cache"] in ("hit", "miss")
+    assert chat(ip, "smollm2")["choices"][0]["message"]["role"] == "assistant"
     logs = cluster.kubectl("logs", pod["metadata"]["name"], "-n", namespace, "-c", "engine")
+    assert "compiling the decoder while serving eager" in logs
     assert "compiled the decoder" in logs
 
 

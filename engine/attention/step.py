@@ -11,6 +11,7 @@ each layer calls what :func:`layer_attention` gives: inside a compiled region th
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,19 +32,25 @@ class _Step:
     slot_mapping: torch.Tensor
 
 
-_current: _Step | None = None
+class _Current(threading.local):
+    """The step each thread runs: the serving thread's and a background compile's
+    (``engine/background_compile.py``) forwards run at once, each on its own caches."""
+
+    step: _Step | None = None
+
+
+_current = _Current()
 
 
 @contextlib.contextmanager
 def step_attention(backend: Backend, meta: AttentionMetadata) -> Iterator[None]:
     """Plan the step's attention once; every :func:`attention` call inside uses that plan."""
-    global _current
-    previous = _current
-    _current = _Step(backend, backend.plan(meta), meta.slot_mapping)
+    previous = _current.step
+    _current.step = _Step(backend, backend.plan(meta), meta.slot_mapping)
     try:
         yield
     finally:
-        _current = previous
+        _current.step = previous
 
 
 def attention(
@@ -60,7 +67,7 @@ def attention(
 
     The op's schema takes tensors and floats only, so the layer's cache is passed in pieces
     and joined here into the :class:`LayerKVCache` the backends take."""
-    step = _current
+    step = _current.step
     if step is None:
         raise RuntimeError("attention() runs only inside step_attention()")
     cache = LayerKVCache(key_cache, value_cache, k_scale, v_scale)

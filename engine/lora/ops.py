@@ -13,6 +13,7 @@ group's weights or scattering rows back with ``index_add_`` cost far more on CPU
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -139,7 +140,13 @@ class _Step:
     plan: Any
 
 
-_current: _Step | None = None
+class _Current(threading.local):
+    """The step each thread runs, as in ``attention/step.py``."""
+
+    step: _Step | None = None
+
+
+_current = _Current()
 
 
 @contextlib.contextmanager
@@ -148,20 +155,19 @@ def step_lora(
 ) -> Iterator[None]:
     """Plan the step's adapter groups once; :func:`lora_add` inside uses the plan. Without a
     batch (a step of base-model rows only) every :func:`lora_add` is a no-op."""
-    global _current
-    previous = _current
-    _current = None
+    previous = _current.step
+    _current.step = None
     if stacks is not None and batch is not None:
-        _current = _Step(backend, stacks, backend.lora_plan(batch, stacks.scaling))
+        _current.step = _Step(backend, stacks, backend.lora_plan(batch, stacks.scaling))
     try:
         yield
     finally:
-        _current = previous
+        _current.step = previous
 
 
 def lora_add(out: torch.Tensor, x: torch.Tensor, layer: int, module: int) -> None:
     """Add the step's adapter deltas of ``module`` (``lora.QKV`` ...) of ``layer`` into ``out``."""
-    step = _current
+    step = _current.step
     if step is None:
         return
     stacks = step.stacks

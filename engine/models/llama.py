@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -242,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Embeddings, layers and final norm: what ``compile_decoder()`` compiles (attention excepted)."""
+        """Embeddings, layers and final norm: what ``compiled_decoder()`` compiles (attention excepted)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -254,14 +255,20 @@ class LlamaForCausalLM(nn.Module):
         )
         return hidden
 
-    def compile_decoder(self) -> None:
-        """Compile ``decoder`` with inductor, sizes dynamic (one token gets its own graph).
+    def compiled_decoder(self) -> Callable[..., torch.Tensor]:
+        """``decoder`` under inductor, sizes dynamic (one token gets its own graph); it
+        compiles at each size's first call, and ``forward`` runs it once ``use_decoder`` says so.
 
         Each layer's attention stays one opaque op (``attention.step``); everything else of a
         step (norms, residual adds, rotary, activations, GEMM calls) becomes one graph whose
         small ops are fused, so a decode step runs a few dozen kernels instead of ~1,000 ops.
         """
-        self.decoder = torch.compile(self.decoder, dynamic=True)  # type: ignore[method-assign]
+        return torch.compile(self.decoder, dynamic=True)
+
+    def use_decoder(self, decoder: Callable[..., torch.Tensor]) -> None:
+        """Run ``decoder`` in every later forward: one attribute swap, so a forward that another
+        thread is running finishes on the decoder it began with."""
+        self.decoder = decoder  # type: ignore[method-assign]
 
     @torch.inference_mode()
     def measure_kv_amax(

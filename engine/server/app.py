@@ -31,7 +31,7 @@ from llmpool.engine.server.async_engine import (
     RequestStream,
 )
 from llmpool.engine.server.constraints import Constraint, OutputSpec, parse_output_spec
-from llmpool.engine.server.fingerprint import build_fingerprint, lora_fields
+from llmpool.engine.server.fingerprint import build_fingerprint, live_fields
 from llmpool.engine.server.lora_routes import LoraRoutes, model_not_found
 from llmpool.engine.server.metrics import EngineMetrics
 from llmpool.engine.server.prompts import PromptBuilder
@@ -501,7 +501,7 @@ class OpenAIServer:
     async def fingerprint(self, request: Request) -> Response:
         assert self._fingerprint is not None, "the lifespan starts the fingerprint task"
         cached = await asyncio.shield(self._fingerprint)
-        return JSONResponse({**cached, **lora_fields(self.core)})
+        return JSONResponse(live_fields(cached, self.core))
 
 
 def warm_up(core: EngineCore) -> None:

@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     flags.add(
         "--compile",
-        "compile the decoder with inductor at start (CPU, needs g++): fused per-layer ops,"
-        " every batch size compiled before the port opens",
+        "compile the decoder with inductor (CPU, needs g++): fused per-layer ops, every batch"
+        " size compiled in the background while the engine serves eager, then switched to",
         action=argparse.BooleanOptionalAction, default=False,
     )  # fmt: skip
     flags.add(

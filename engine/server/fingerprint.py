@@ -44,10 +44,16 @@ def build_fingerprint(
         "device": str(core.device),
         "attentionBackend": core.backend.name,
         "engineVersion": __version__,
-        # Whether the decoder was compiled, from the compile cache or cold, and how long it took.
-        "compile": core.compile_report.as_dict(),
     }
     return {"pinned": pinned, "observed": observed, "digest": pinning.pinned_digest(pinned)}
+
+
+def live_fields(cached: dict[str, Any], core: EngineCore) -> dict[str, Any]:
+    """``cached`` (:func:`build_fingerprint`'s answer) with what changes while the replica runs:
+    ``observed.compile`` (whether the decoder is compiling, compiled or failed, from the compile
+    cache or cold, and how long it took) and the LoRA fields."""
+    observed = {**cached["observed"], "compile": core.compile_report.as_dict()}
+    return {**cached, "observed": observed, **lora_fields(core)}
 
 
 def lora_fields(core: EngineCore) -> dict[str, Any]:

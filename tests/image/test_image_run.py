@@ -149,13 +149,24 @@ def test_chat_completion_is_the_engines_greedy_answer(
     assert reply.usage.completion_tokens == len(reference_reply.outputs[0].token_ids)
 
 
+def compile_state(url: str) -> str:
+    fingerprint = httpx.get(f"{url}/fingerprint", timeout=60).raise_for_status().json()
+    return fingerprint["observed"]["compile"]["state"]
+
+
 def test_compiled_engine_builds_its_kernels_in_tmp_and_answers_as_eager(
     reference_reply: RequestOutput,
 ) -> None:
     """``--compile`` in the image: inductor finds its C++ compiler, writes only under /tmp (the
-    root is read-only) and the compiled float32 decoder answers what the eager one does."""
+    root is read-only) and the float32 engine answers what the eager one does while it compiles
+    in the background and once it runs compiled."""
     flags = ("--dtype", "float32", "--compile", "--max-num-batched-tokens", "64")
     with serving(*flags) as (url, container):
+        assert chat(url).choices[0].message.content == reference_reply.outputs[0].text
+        deadline = time.monotonic() + 900
+        while (state := compile_state(url)) == "compiling" and time.monotonic() < deadline:
+            time.sleep(5)
+        assert state == "compiled", state
         assert chat(url).choices[0].message.content == reference_reply.outputs[0].text
         logs = docker("logs", container).stderr
         assert "compiled the decoder" in logs, logs[-4000:]

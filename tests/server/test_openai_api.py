@@ -236,7 +236,9 @@ def test_fingerprint_matches_the_operator_digest(server) -> None:
     assert observed["tokenizerDigest"] == model_source.tokenizer_digest(resolved.folder)
     assert observed["device"] == "cpu" and observed["dtype"] == "float32"
     assert observed["dtypeReason"] == "set explicitly"
-    assert observed["compile"] == {"enabled": False, "cache": "off", "key": None, "seconds": 0.0}
+    assert observed["compile"] == {
+        "enabled": False, "state": "off", "cache": "off", "key": None, "seconds": 0.0, "error": None,
+    }  # fmt: skip
     assert (fingerprint["lora"], fingerprint["adapters"], fingerprint["adapterFailures"]) == (
         None, [], [],
     )  # fmt: skip
