@@ -51,12 +51,15 @@ class _ServingFirst:
 
     def __init__(self) -> None:
         self._stepping = False
+        # Set by the compile thread when it parks; only the step clears it, so the step sees it
+        # even when the compile thread has already woken.
         self._parked = False
         self._idle = threading.Event()
         self._idle.set()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
+        self._parked = False
         self._stepping = True
         self._idle.clear()
         started = time.monotonic()
@@ -73,7 +76,6 @@ class _ServingFirst:
         if self._stepping:
             self._parked = True
             self._idle.wait()
-            self._parked = False
 
 
 class BackgroundCompile:
