@@ -17,8 +17,16 @@ from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.server.fingerprint import live_fields
 
-# As test_engine_vs_hf.py's "compiled" case, so that inductor's local cache serves both.
-SETTINGS = {"dtype": "float32", "max_model_len": 2048, "compile": True, "compile_cache_dir": ""}
+# As test_engine_vs_hf.py's "compiled" case, so that inductor's local cache serves both; a
+# 256 MiB KV pool (room for every reference prompt at once) instead of the CPU default of 2 GiB,
+# since the pytest process holds every engine its compiled graphs still reference.
+SETTINGS = {
+    "dtype": "float32",
+    "max_model_len": 2048,
+    "kv_cache_memory": "256MiB",
+    "compile": True,
+    "compile_cache_dir": "",
+}
 
 
 def generate(
@@ -106,7 +114,7 @@ def test_a_failed_compile_is_reported_and_leaves_the_engine_serving_eager(
 
 
 def test_an_eager_engine_reports_the_compile_off() -> None:
-    core = EngineCore(EngineConfig(dtype="float32", max_num_batched_tokens=16))
+    core = EngineCore(EngineConfig(dtype="float32", max_model_len=128, num_kv_blocks=8))
     core.wait_for_compile()
     assert core.compile_report.as_dict()["enabled"] is False
     assert compile_state(core) == "off"
