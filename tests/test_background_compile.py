@@ -19,7 +19,7 @@ from llmpool.engine.server.fingerprint import live_fields
 
 # As test_engine_vs_hf.py's "compiled" case, so that inductor's local cache serves both; a
 # 256 MiB KV pool (room for every reference prompt at once) instead of the CPU default of 2 GiB,
-# since the pytest process holds every engine its compiled graphs still reference.
+# which kept the pytest process's memory high enough for CI's run to meet the OOM killer.
 SETTINGS = {
     "dtype": "float32",
     "max_model_len": 2048,
