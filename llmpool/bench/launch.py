@@ -45,7 +45,9 @@ def start_server(
     args: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 600
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``llmpool serve ARGS`` on 127.0.0.1, output to ``log``; its process and base URL once
-    ``/ready`` answers 200 (RuntimeError with the log's tail if it exits or times out)."""
+    ``/ready`` answers 200 and, with ``--compile``, once the engine runs the compiled decoder
+    (it serves eager while compiling); RuntimeError with the log's tail if it exits, its compile
+    fails or it times out."""
     port = free_port()
     command = [LLMPOOL, "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
@@ -56,10 +58,22 @@ def start_server(
         if process.poll() is not None:
             raise RuntimeError(f"llmpool serve exited:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200 and (
+                "--compile" not in args or compiled(url)
+            ):
                 return process, url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     process.kill()
     raise RuntimeError(f"llmpool serve was not ready after {timeout:.0f}s: {log}")
+
+
+def compiled(url: str) -> bool:
+    """Whether the server at ``url`` has finished compiling its decoder (RuntimeError if the
+    compile failed: a benchmark of the compiled engine would measure the eager one)."""
+    fingerprint = httpx.get(f"{url}/fingerprint", timeout=60).raise_for_status().json()
+    report = fingerprint["observed"]["compile"]
+    if report["state"] == "failed":
+        raise RuntimeError(f"llmpool serve's compile failed: {report['error']}")
+    return bool(report["state"] == "compiled")

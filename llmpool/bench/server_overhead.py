@@ -73,6 +73,7 @@ class Offline:
     def __init__(self, dtype: str, quantization: str, compile_decoder: bool) -> None:
         config = EngineConfig(dtype=dtype, quantization=quantization, compile=compile_decoder)
         self.core = EngineCore(config)
+        self.core.wait_for_compile()
         self.count = 0
 
     def run(self, prompt: list[int], max_tokens: int) -> tuple[list[float], str]:
