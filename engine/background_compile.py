@@ -121,13 +121,12 @@ class BackgroundCompile:
         """Around each engine step while the compile runs: the compile thread waits for it."""
         return self._serving_first.step()
 
-    def wait(self, timeout: float | None = None) -> CompileReport:
+    def wait(self, timeout: float | None = None) -> None:
         """Block until the compiled decoder is in use; raise what made the compile fail."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"the decoder is still compiling after {timeout} s")
         if self.error is not None:
             raise RuntimeError(f"compiling the decoder failed: {self.report.error}") from self.error
-        return self.report
 
     def _run(self) -> None:
         started = time.monotonic()
@@ -155,18 +154,12 @@ class BackgroundCompile:
         cache = self.cache
         hit = self.report.cache == "hit"
         if cache is None:
-            logger.info("compiling the decoder while serving eager (compile cache off)")
+            source = "compile cache off"
         elif hit:
-            logger.info(
-                "compiling the decoder while serving eager, from cached artifacts (key %s in %s)",
-                cache.key, cache.root,
-            )  # fmt: skip
+            source = f"from cached artifacts, key {cache.key} in {cache.root}"
         else:
-            logger.info(
-                "compiling the decoder while serving eager (cold: no cached artifacts for key %s"
-                " in %s)",
-                cache.key, cache.root,
-            )  # fmt: skip
+            source = f"cold: no cached artifacts for key {cache.key} in {cache.root}"
+        logger.info("compiling the decoder while serving eager (%s)", source)
         compiled, graphs = compilation.compile_all_sizes(
             self.model, self.kv_caches, self.block_size, self.max_tokens
         )
