@@ -61,7 +61,10 @@ class EngineCore(LoadedEngine):
             max_model_len=self.max_model_len,
             speculative_config=config.speculative,
         )
-        self.scheduler.on_finish = self._on_finish
+        if self.lora is not None:
+            # The LoRA table's method, not one of this engine's: a callback holding the engine
+            # would make it a reference cycle, whose model and KV cache only a full gc frees.
+            self.scheduler.on_finish = self.lora.finished
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, self.shape.vocab_size, self.eos_token_ids
         )
@@ -139,7 +142,8 @@ class EngineCore(LoadedEngine):
         try:
             self.scheduler.add_request(request)
         except ValueError:
-            self._on_finish(request)
+            if self.lora is not None:
+                self.lora.finished(request)
             raise
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer,
@@ -148,10 +152,6 @@ class EngineCore(LoadedEngine):
             sampling_params.include_stop_str_in_output,
             sampling_params.skip_special_tokens,
         )
-
-    def _on_finish(self, request: Request) -> None:
-        if request.lora is not None and self.lora is not None:
-            self.lora.release(request.lora.slot)
 
     # --- adapters -------------------------------------------------------------------------
 

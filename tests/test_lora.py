@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,23 @@ def test_unknown_adapter_is_refused_and_queues_nothing(core: EngineCore) -> None
         core.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2), lora_name="nope")
     assert not core.has_unfinished_requests()
     assert core.stats().running_adapters == ()
+
+
+def test_a_dropped_engine_is_freed_without_waiting_for_the_gc(
+    tmp_path: Path, shape: LlamaShape
+) -> None:
+    """Its model and KV cache go with its last reference, not at some later full collection
+    (which a long-lived process, full of objects, rarely runs): no cycle through the engine."""
+    core = EngineCore(
+        EngineConfig(enable_lora=True, dtype="float32", max_model_len=128, num_kv_blocks=16)
+    )
+    random_adapter(tmp_path / "a", shape, ["q_proj"], rank=8, alpha=16, seed=0)
+    core.load_adapter("a", str(tmp_path / "a"))
+    _run(core, [1, 2, 3], "a")
+    engine, model = weakref.ref(core), weakref.ref(core.model)
+    gc.disable()
+    try:
+        del core
+        assert engine() is None and model() is None
+    finally:
+        gc.enable()

@@ -19,6 +19,7 @@ from llmpool.engine.lora.adapter import AdapterError, AdapterInfo, AdapterWeight
 
 if TYPE_CHECKING:
     from llmpool.engine.models.llama import LlamaShape
+    from llmpool.engine.request import Request
 
 
 class AdapterConflictError(AdapterError):
@@ -199,6 +200,11 @@ class LoraManager:
             raise UnknownAdapterError(name)
         self._users[loaded.slot] = self._users.get(loaded.slot, 0) + 1
         return loaded
+
+    def finished(self, request: Request) -> None:
+        """A request left the engine: the slot of its adapter, if it had one, has one user less."""
+        if request.lora is not None:
+            self.release(request.lora.slot)
 
     def release(self, slot: int) -> None:
         users = self._users[slot] - 1
