@@ -289,7 +289,16 @@ STRUCTURED_CASES = {
         lambda t: t in ("The answer is yes.", "The answer is no."),
     ),
     "json": (
-        {"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+        # Closed, as every schema here is bounded: an open object let greedy decoding add
+        # properties until max_tokens, on kernels whose rounding tipped it there.
+        {
+            "json": {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+                "additionalProperties": False,
+            }
+        },
         lambda t: isinstance(json.loads(t)["n"], int),
     ),
     "json as text": (
