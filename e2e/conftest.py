@@ -2,8 +2,10 @@
 
 The cluster is built (or taken from the cache), started once per session and stopped at
 the end; a cluster already started with ``e2e/cluster up`` is reused and left running.
-When a test fails, the daemons' and pods' logs are copied to ``e2e/.logs/<time>/``
-(or ``$LLMPOOL_E2E_LOGS``) and the tails of the daemons' logs printed.
+When a test fails, its report gains its namespace's pods, Events and container log tails and the
+tails of the logs its local processes (operator, gateway) wrote; at the end of a failed session
+the daemons' and pods' logs are copied to ``e2e/.logs/<time>/`` (or ``$LLMPOOL_E2E_LOGS``) and
+the tails of the daemons' logs printed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,44 @@ from controlplane.cluster import Cluster  # noqa: E402
 from harness import IMAGE, ClusterHandle, create_namespace  # noqa: E402
 
 LOG_TAIL_LINES = 40
+POD_LOG_TAIL_LINES = 25
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    """A failed test's report gains what its namespace holds, taken before its fixtures tear
+    down (the operator fixtures delete the pools): CI keeps only what is printed."""
+    report: pytest.TestReport = yield
+    args = getattr(item, "funcargs", {})
+    if report.when == "call" and report.failed and "namespace" in args and "cluster" in args:
+        namespace = args["namespace"]
+        text = namespace_report(args["cluster"], namespace, args.get("tmp_path"))
+        report.sections.append((f"namespace {namespace}", text))
+    return report
+
+
+def _tail(title: str, text: str, lines: int) -> list[str]:
+    tail = text.splitlines()[-lines:]
+    return [f"----- {title} (last {len(tail)} lines)", *(f"  {line}" for line in tail)]
+
+
+def namespace_report(cluster: ClusterHandle, namespace: str, local_logs: Path | None) -> str:
+    """What a namespace holds: its pods, Events and the tails of their containers' logs, and the
+    tails of the logs the test's local processes (operator, gateway) wrote to ``local_logs``."""
+    kubectl = ("kubectl", "-n", namespace)
+    pods = cluster.run(*kubectl, "get", "pods", "-o", "wide", check=False)
+    lines = _tail("pods", pods.stdout + pods.stderr, LOG_TAIL_LINES)
+    events = cluster.run(*kubectl, "get", "events", "--sort-by=.lastTimestamp", check=False)
+    lines += _tail("events", events.stdout + events.stderr, LOG_TAIL_LINES)
+    for pod in pods.stdout.splitlines()[1:]:
+        name = pod.split()[0]
+        logs = cluster.run(
+            *kubectl, "logs", name, "--all-containers", f"--tail={POD_LOG_TAIL_LINES}", check=False
+        )
+        lines += _tail(f"pod {name}", logs.stdout + logs.stderr, POD_LOG_TAIL_LINES)
+    for log in sorted(local_logs.glob("*.log")) if local_logs else []:
+        lines += _tail(log.name, log.read_text(errors="replace"), LOG_TAIL_LINES)
+    return "\n".join(lines)
 
 
 def _report_logs(request: pytest.FixtureRequest, cluster: Cluster, why: str) -> None:
@@ -32,10 +72,10 @@ def _report_logs(request: pytest.FixtureRequest, cluster: Cluster, why: str) -> 
     write = reporter.write_line if reporter else print
     write(f"e2e: {why}; cluster and pod logs kept in {dest} (pods/ holds container output)")
     for log in sorted(dest.glob("*.log")):
-        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-        write(f"----- {log.relative_to(dest)} (last {len(lines)} lines)")
-        for line in lines:
-            write(f"  {line}")
+        for line in _tail(
+            str(log.relative_to(dest)), log.read_text(errors="replace"), LOG_TAIL_LINES
+        ):
+            write(line)
 
 
 @pytest.fixture(scope="session")
