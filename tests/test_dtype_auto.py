@@ -13,6 +13,9 @@ import torch
 from llmpool.engine import cpu_features
 from llmpool.engine.config import EngineConfig, resolve_dtype
 from llmpool.engine.engine_core import EngineCore
+from llmpool.engine.kernels.capabilities import KernelCapabilities
+from llmpool.engine.models import linear
+from llmpool.engine.models.linear import GemmChoice
 from llmpool.engine.server import fingerprint
 
 CPU = torch.device("cpu")
@@ -95,13 +98,14 @@ def test_an_explicit_dtype_wins(dtype: str, flags: str, device: str) -> None:
 def test_fingerprint_says_the_dtype_and_why_outside_the_pin(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The resolved dtype is observed, not pinned: one pin fits nodes with and without bf16."""
+    """The resolved dtype and the GEMMs the probes chose are observed, not pinned: one pin fits
+    nodes with and without bf16."""
     monkeypatch.setattr(fingerprint.model_source, "weights_digest", lambda folder: "sha256:w")
     monkeypatch.setattr(fingerprint.model_source, "tokenizer_digest", lambda folder: "sha256:t")
     cpuinfo_path = tmp_path / "cpuinfo"
     monkeypatch.setattr(cpu_features, "CPUINFO", cpuinfo_path)
 
-    def served_on(flags: str) -> dict[str, Any]:
+    def served_on(flags: str, gemm: GemmChoice) -> dict[str, Any]:
         cpuinfo_path.write_text(cpuinfo(flags))
         config = EngineConfig()
         resolved = config.resolved_dtype(CPU)
@@ -114,14 +118,19 @@ def test_fingerprint_says_the_dtype_and_why_outside_the_pin(
             resolved_dtype=resolved,
             kv_dtype_name=resolved.name,
             backend=SimpleNamespace(name="torch"),
+            kernels=KernelCapabilities(gemm=gemm),
         )
         return fingerprint.build_fingerprint(core, "m", None, None)  # type: ignore[arg-type]
 
-    native, emulated = served_on(ZEN4_FLAGS), served_on(AVX2_FLAGS)
+    bfloat16_gemm = GemmChoice(bfloat16_kernel_max_rows=linear.BFLOAT16_KERNEL_MAX_ROWS)
+    float32_gemm = GemmChoice(float32_kernel_max_rows=linear.FLOAT32_KERNEL_MAX_ROWS)
+    native, emulated = served_on(ZEN4_FLAGS, bfloat16_gemm), served_on(AVX2_FLAGS, float32_gemm)
     assert native["observed"]["dtype"] == "bfloat16"
     assert "avx512_bf16" in native["observed"]["dtypeReason"]
     assert emulated["observed"]["dtype"] == "float32"
     assert "no native bfloat16" in emulated["observed"]["dtypeReason"]
+    assert native["observed"]["gemm"]["bfloat16Kernel"] == "bf16_gemm"
+    assert emulated["observed"]["gemm"]["float32KernelMaxRows"] == linear.FLOAT32_KERNEL_MAX_ROWS
     assert native["pinned"] == emulated["pinned"] and native["digest"] == emulated["digest"]
 
 

@@ -157,6 +157,12 @@ def test_a_bfloat16_engine_upcasts_as_its_probe_says(
     assert probed == [(shape, kernel)] * (kernel is not None) + [(shape, None)]
     expected_kernel = linear.BFLOAT16_KERNEL_MAX_ROWS if kernel and speedup > 1.1 else None
     assert core.kernels.gemm == GemmChoice(expected_kernel, expected, kernel or "bf16_gemm")
+    assert core.kernels.gemm.as_observed() == {  # what /fingerprint reports
+        "bfloat16Kernel": kernel if expected_kernel else None,
+        "bfloat16KernelMaxRows": expected_kernel,
+        "bfloat16UpcastMinRows": expected,
+        "float32KernelMaxRows": None,
+    }
     projection = core.model.layers[0].gate_up_proj
     assert projection.gemm is core.kernels.gemm is core.model.gemm
     assert f"{speedup:.2f}x as fast" in caplog.text
@@ -183,3 +189,4 @@ def test_a_float32_engine_probes_the_float32_kernel_alone(
     shape = core.model.layers[0].gate_up_proj.weight.shape
     assert probed == [shape] * built
     assert core.kernels.gemm == GemmChoice(float32_kernel_max_rows=expected if built else None)
+    assert core.kernels.gemm.as_observed()["float32KernelMaxRows"] == (expected if built else None)

@@ -82,6 +82,21 @@ class GemmChoice:
     bfloat16_kernel: str = "bf16_gemm"
     float32_kernel_max_rows: int | None = None
 
+    def as_observed(self) -> dict[str, str | int | None]:
+        """The choice as ``/fingerprint`` reports it (``observed.gemm``): the probes time the
+        CPU at start, so two replicas of one pool may choose differently (another CPU, or a
+        neighbour that slowed a probe), and the kernels round differently: a greedy answer can
+        differ between them."""
+        bfloat16_kernel = (
+            self.bfloat16_kernel if self.bfloat16_kernel_max_rows is not None else None
+        )
+        return {
+            "bfloat16Kernel": bfloat16_kernel,
+            "bfloat16KernelMaxRows": self.bfloat16_kernel_max_rows,
+            "bfloat16UpcastMinRows": self.bfloat16_upcast_min_rows,
+            "float32KernelMaxRows": self.float32_kernel_max_rows,
+        }
+
 
 TORCH_GEMMS = GemmChoice()
 

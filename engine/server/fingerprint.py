@@ -43,6 +43,8 @@ def build_fingerprint(
         "kvDtype": core.kv_dtype_name,
         "device": str(core.device),
         "attentionBackend": core.backend.name,
+        # Which CPU GEMMs run where, timed at start: not part of the pin, as the dtype.
+        "gemm": core.kernels.gemm.as_observed(),
         "engineVersion": __version__,
     }
     return {"pinned": pinned, "observed": observed, "digest": pinning.pinned_digest(pinned)}

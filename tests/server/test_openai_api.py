@@ -14,6 +14,7 @@ import pytest
 
 from llmpool import pinning
 from llmpool.engine import LLM, SamplingParams, model_source
+from llmpool.engine.models import linear
 
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
@@ -236,6 +237,10 @@ def test_fingerprint_matches_the_operator_digest(server) -> None:
     assert observed["tokenizerDigest"] == model_source.tokenizer_digest(resolved.folder)
     assert observed["device"] == "cpu" and observed["dtype"] == "float32"
     assert observed["dtypeReason"] == "set explicitly"
+    gemm = observed["gemm"]  # a float32 engine: the float32 kernel or torch, per the probe
+    assert gemm["float32KernelMaxRows"] in (linear.FLOAT32_KERNEL_MAX_ROWS, None)
+    assert (gemm["bfloat16Kernel"], gemm["bfloat16KernelMaxRows"]) == (None, None)
+    assert gemm["bfloat16UpcastMinRows"] is None
     assert observed["compile"] == {
         "enabled": False, "state": "off", "cache": "off", "key": None, "seconds": 0.0, "error": None,
     }  # fmt: skip
