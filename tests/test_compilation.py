@@ -76,7 +76,7 @@ def test_compiled_bfloat16_gemm_choices_compile_nothing_after_start(
     that the start-up compile must have covered, and the same functions as eager."""
     kernel = bfloat16_kernel(probe_kernels(torch.device("cpu")))
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", lambda weight: 2.0)
-    monkeypatch.setattr(linear, "probe_bfloat16_kernel", lambda weight, kernel: 2.0)
+    monkeypatch.setattr(linear, "probe_bfloat16_kernel", lambda weights, kernel, rows: 2.0)
     # ~450 tokens, so the prefill takes the upcast branch; not a repeated phrase, whose
     # continuations are near-ties that bfloat16 rounding (fused or not) flips
     prompts = [", ".join(str(number) for number in range(120)), "The capital of France is"]

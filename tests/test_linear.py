@@ -128,25 +128,50 @@ def test_the_probes_measure_positive_ratios() -> None:
     speedup = linear.probe_bfloat16_upcast(weight, rows=64, repeats=3)
     assert 0 < speedup < float("inf")
     if bf16_gemm.KERNEL.available:
-        speedup = linear.probe_bfloat16_kernel(weight, rows=16, repeats=3)
+        speedup = linear.probe_bfloat16_kernel([weight], "bf16_gemm", rows=16, repeats=3)
         assert 0 < speedup < float("inf")
 
 
-@pytest.mark.parametrize(("speedup", "expected"), [(2.0, 128), (1.0, None)])
-def test_a_bfloat16_engine_upcasts_as_its_probe_says(
+def test_a_probe_streams_copies_of_its_weight_past_the_cache() -> None:
+    _, weight, _ = operands(1, torch.bfloat16)
+    weights = linear.streamed(weight)
+    size = weight.numel() * weight.element_size()
+    assert linear.PROBE_STREAM_BYTES <= len(weights) * size < linear.PROBE_STREAM_BYTES + size
+    assert len({w.data_ptr() for w in weights}) == len(weights)
+    assert all(torch.equal(w, weight) for w in weights)
+
+
+@pytest.mark.parametrize(
+    ("kernel_speedups", "kernel_rows", "upcast_speedup", "upcast_rows"),
+    [
+        ({8: 2.0, 16: 2.0, 32: 2.0, 64: 2.0, 128: 2.0}, 128, 2.0, 128),  # the Xeon without AMX
+        ({8: 1.5, 16: 1.2, 32: 0.9}, 16, 0.4, None),  # a Zen 4 EPYC
+        ({8: 1.0}, None, 1.0, None),  # AMX: oneDNN throughout
+    ],
+)
+def test_a_bfloat16_engine_runs_the_gemms_its_probes_choose(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    speedup: float,
-    expected: int | None,
+    kernel_speedups: dict[int, float],
+    kernel_rows: int | None,
+    upcast_speedup: float,
+    upcast_rows: int | None,
 ) -> None:
-    probed: list[torch.Size] = []
+    """The kernel's probe climbs the row counts on streamed weights until the kernel stops
+    winning by 1.1x; the upcast's probe runs once; the layers hold what they chose."""
+    probed: list[tuple[str, torch.Size, int | None]] = []
 
-    def probe(weight: torch.Tensor, kernel: str | None = None) -> float:
-        probed.append((weight.shape, kernel))
-        return speedup
+    def kernel_probe(weights: list[torch.Tensor], kernel: str, rows: int) -> float:
+        assert sum(w.numel() * w.element_size() for w in weights) >= linear.PROBE_STREAM_BYTES
+        probed.append((kernel, weights[0].shape, rows))
+        return kernel_speedups[rows]
 
-    monkeypatch.setattr(linear, "probe_bfloat16_upcast", probe)
-    monkeypatch.setattr(linear, "probe_bfloat16_kernel", probe)
+    def upcast_probe(weight: torch.Tensor) -> float:
+        probed.append(("upcast", weight.shape, None))
+        return upcast_speedup
+
+    monkeypatch.setattr(linear, "probe_bfloat16_upcast", upcast_probe)
+    monkeypatch.setattr(linear, "probe_bfloat16_kernel", kernel_probe)
     monkeypatch.setattr(linear, "probe_float32_kernel", pytest.fail)
     with caplog.at_level(logging.INFO, logger="llmpool.engine.kernels.capabilities"):
         core = EngineCore(
@@ -154,18 +179,22 @@ def test_a_bfloat16_engine_upcasts_as_its_probe_says(
         )
     kernel = bfloat16_kernel(core.kernels)
     shape = core.model.layers[0].gate_up_proj.weight.shape
-    assert probed == [(shape, kernel)] * (kernel is not None) + [(shape, None)]
-    expected_kernel = linear.BFLOAT16_KERNEL_MAX_ROWS if kernel and speedup > 1.1 else None
-    assert core.kernels.gemm == GemmChoice(expected_kernel, expected, kernel or "bf16_gemm")
+    climbed = [(kernel, shape, rows) for rows in kernel_speedups] if kernel else []
+    assert probed == [*climbed, ("upcast", shape, None)]
+    expected_kernel_rows = kernel_rows if kernel else None
+    assert core.kernels.gemm == GemmChoice(expected_kernel_rows, upcast_rows, kernel or "bf16_gemm")
     assert core.kernels.gemm.as_observed() == {  # what /fingerprint reports
-        "bfloat16Kernel": kernel if expected_kernel else None,
-        "bfloat16KernelMaxRows": expected_kernel,
-        "bfloat16UpcastMinRows": expected,
+        "bfloat16Kernel": kernel if expected_kernel_rows else None,
+        "bfloat16KernelMaxRows": expected_kernel_rows,
+        "bfloat16UpcastMinRows": upcast_rows,
         "float32KernelMaxRows": None,
     }
     projection = core.model.layers[0].gate_up_proj
     assert projection.gemm is core.kernels.gemm is core.model.gemm
-    assert f"{speedup:.2f}x as fast" in caplog.text
+    assert f"float32 runs 256 rows {upcast_speedup:.2f}x as fast" in caplog.text
+    if kernel:
+        rows, speedup = list(kernel_speedups.items())[-1]
+        assert f"{rows} rows {speedup:.2f}x as fast" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -94,19 +94,14 @@ def choose_bfloat16_gemm(weight: torch.Tensor, kernel_name: str | None) -> GemmC
 
     Measured on ``weight``, so that the choice follows the CPU (this project's Intel Xeon
     without AMX: the AVX-512 kernel ~1.7x as fast at 16 rows, float32 1.3-1.6x at prefill sizes;
-    where oneDNN's bfloat16 GEMM is the faster, as with AMX, it stays).
+    a Zen 4 EPYC: the kernel ahead up to 16 rows, oneDNN's bfloat16 from 32 and at prefill
+    sizes; where oneDNN's bfloat16 GEMM is the faster throughout, as with AMX, it stays).
     """
     if kernel_name is not None:
-        kernel_speedup = linear.probe_bfloat16_kernel(weight, kernel_name)
-        kernel = kernel_speedup >= linear.BFLOAT16_KERNEL_MIN_SPEEDUP
-        says = [
-            f"the C kernel ({kernel_name}) runs {linear.BFLOAT16_KERNEL_PROBE_ROWS} rows"
-            f" {kernel_speedup:.2f}x as fast, so GEMMs of up to"
-            f" {linear.BFLOAT16_KERNEL_MAX_ROWS} rows"
-            + (" run in it" if kernel else " stay in torch")
-        ]
+        kernel_max_rows, kernel_says = bfloat16_kernel_rows(weight, kernel_name)
+        says = [kernel_says]
     else:
-        kernel, says = False, ["no C kernel (it needs AVX2 or AVX-512, and a C compiler)"]
+        kernel_max_rows, says = None, ["no C kernel (it needs AVX2 or AVX-512, and a C compiler)"]
     upcast_speedup = linear.probe_bfloat16_upcast(weight)
     upcast = upcast_speedup >= linear.BFLOAT16_UPCAST_MIN_SPEEDUP
     says.append(
@@ -116,7 +111,26 @@ def choose_bfloat16_gemm(weight: torch.Tensor, kernel_name: str | None) -> GemmC
     )
     logger.info("bfloat16 GEMMs on this CPU: %s", "; ".join(says))
     return GemmChoice(
-        bfloat16_kernel_max_rows=linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None,
+        bfloat16_kernel_max_rows=kernel_max_rows,
         bfloat16_upcast_min_rows=linear.BFLOAT16_UPCAST_MIN_ROWS if upcast else None,
         bfloat16_kernel=kernel_name or "bf16_gemm",
+    )
+
+
+def bfloat16_kernel_rows(weight: torch.Tensor, kernel_name: str) -> tuple[int | None, str]:
+    """Up to how many rows the C kernel ``kernel_name`` runs bfloat16 GEMMs (None: never), and
+    what the probe measured: it climbs ``BFLOAT16_KERNEL_PROBE_ROWS`` on streamed copies of
+    ``weight`` until the kernel no longer wins by ``BFLOAT16_KERNEL_MIN_SPEEDUP``."""
+    weights = linear.streamed(weight)
+    max_rows, measured = None, []
+    for rows in linear.BFLOAT16_KERNEL_PROBE_ROWS:
+        speedup = linear.probe_bfloat16_kernel(weights, kernel_name, rows)
+        measured.append(f"{rows} rows {speedup:.2f}x")
+        if speedup < linear.BFLOAT16_KERNEL_MIN_SPEEDUP:
+            break
+        max_rows = rows
+    verdict = "stay in torch" if max_rows is None else f"of up to {max_rows} rows run in it"
+    return (
+        max_rows,
+        f"the C kernel ({kernel_name}) runs {', '.join(measured)} as fast, so GEMMs {verdict}",
     )

@@ -45,12 +45,19 @@ BFLOAT16_UPCAST_MIN_ROWS = 128
 BFLOAT16_UPCAST_PROBE_ROWS = 256
 BFLOAT16_UPCAST_MIN_SPEEDUP = 1.2
 
-# Up to this many rows the C kernel runs a step's GEMMs at least as fast as the float32 upcast
-# (1.5x at 64 rows, 1.03x at 128, 0.87x at 256 here; benchmarks/bf16_gemm.py), and its probe
-# asks about a decode step's rows.
+# Up to this many rows the C kernel can run a step's GEMMs at least as fast as the float32
+# upcast (the Xeon: 1.5x at 64 rows, 1.03x at 128, 0.87x at 256; benchmarks/bf16_gemm.py).
+# Where it stops beating torch depends on the CPU (a Zen 4 EPYC, whose oneDNN multiplies
+# bfloat16 natively: 1.2x at 16 rows, 0.8x at 32), so the probe climbs these row counts and the
+# kernel takes GEMMs up to the last one it won by BFLOAT16_KERNEL_MIN_SPEEDUP.
 BFLOAT16_KERNEL_MAX_ROWS = 128
-BFLOAT16_KERNEL_PROBE_ROWS = 16
+BFLOAT16_KERNEL_PROBE_ROWS = (8, 16, 32, 64, BFLOAT16_KERNEL_MAX_ROWS)
 BFLOAT16_KERNEL_MIN_SPEEDUP = 1.1
+# The few-row probes stream their weight from memory as a step does: copies of it totalling at
+# least this much, twice a 2-core EPYC's last-level cache, are multiplied in turn. A probe on one
+# weight that stays in cache answers another question: on that EPYC it put the AVX-512 kernel at
+# 0.84x of oneDNN at 16 rows, while a step's GEMMs, whose weights stream, ran 1.18x as fast in it.
+PROBE_STREAM_BYTES = 64 * 1024**2
 # The few-row bfloat16 kernels by name (``GemmChoice.bfloat16_kernel``): the AVX-512 one, and the
 # AVX2 one for CPUs without AVX-512.
 BFLOAT16_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -120,6 +127,13 @@ def _speedup(native: Callable[[], object], candidate: Callable[[], object], repe
     return min(native_seconds[1:]) / min(candidate_seconds[1:])
 
 
+def streamed(weight: torch.Tensor) -> list[torch.Tensor]:
+    """``weight`` and copies of it, ``PROBE_STREAM_BYTES`` in all, for a probe to multiply in
+    turn so that each GEMM reads its weight from memory, not from cache."""
+    size = weight.numel() * weight.element_size()
+    return [weight, *(weight.clone() for _ in range(-(-PROBE_STREAM_BYTES // size) - 1))]
+
+
 def probe_bfloat16_upcast(
     weight: torch.Tensor, rows: int = BFLOAT16_UPCAST_PROBE_ROWS, repeats: int = 7
 ) -> float:
@@ -133,25 +147,32 @@ def probe_bfloat16_upcast(
 
 
 def probe_bfloat16_kernel(
-    weight: torch.Tensor,
-    kernel: str = "bf16_gemm",
-    rows: int = BFLOAT16_KERNEL_PROBE_ROWS,
-    repeats: int = 7,
+    weights: list[torch.Tensor], kernel: str, rows: int, repeats: int = 5
 ) -> float:
     """How many times faster the C kernel ``kernel`` (a key of ``BFLOAT16_KERNELS``) multiplies
-    ``rows`` rows by the bfloat16 ``weight`` than torch does on this CPU."""
-    x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
+    ``rows`` rows by each of the bfloat16 ``weights`` (:func:`streamed`) than torch does on this
+    CPU."""
+    x = torch.randn(rows, weights[0].shape[1], dtype=torch.bfloat16)
     run = BFLOAT16_KERNELS[kernel]
-    return _speedup(lambda: nn.functional.linear(x, weight), lambda: run(x, weight), repeats)
+    return _speedup(
+        lambda: [nn.functional.linear(x, w) for w in weights],
+        lambda: [run(x, w) for w in weights],
+        repeats,
+    )
 
 
 def probe_float32_kernel(
     weight: torch.Tensor, rows: int = FLOAT32_KERNEL_MAX_ROWS, repeats: int = 7
 ) -> float:
     """How many times faster ``avx2_gemm`` multiplies ``rows`` rows by the float32 ``weight``
-    than torch's float32 path of :func:`linear` does on this CPU."""
+    (streamed) than torch's float32 path of :func:`linear` does on this CPU."""
+    weights = streamed(weight)
     x = torch.randn(rows, weight.shape[1])
-    return _speedup(lambda: linear(x, weight), lambda: avx2_gemm.f32_linear(x, weight), repeats)
+    return _speedup(
+        lambda: [linear(x, w) for w in weights],
+        lambda: [avx2_gemm.f32_linear(x, w) for w in weights],
+        repeats,
+    )
 
 
 def _upcast_linear(

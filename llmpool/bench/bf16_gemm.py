@@ -8,12 +8,12 @@ Two measurements, each alternating between the ways in one process:
   upcast operands (what ``linear`` runs for prefill chunks past the kernel's rows); with the
   weight bandwidth and GFLOP/s of each and the largest difference from the float32 product;
 - the engine's whole eager bfloat16 step with ``--concurrency`` requests of 40-700-token prompts
-  decoding, rounds of steps alternating between the kernel on and off (the choice is
-  one engine: ``kernel_up_to``).
+  decoding, rounds of steps alternating between the kernel up to the rows its start-up probe
+  chose (``probed``) and torch throughout (the choice is one engine: ``kernel_up_to``).
 
     python benchmarks/bf16_gemm.py --rows 1 4 16 64 128 256 512 --concurrency 1 16 64
 
-Writes ``benchmarks/results/bf16_gemm.json`` with the CPU model.
+Writes ``benchmarks/results/bf16_gemm.json`` (``--name``: another name) with the CPU model.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from llmpool.bench.results import RESULTS, script_command, write_json
 from llmpool.bench.steps import alternate_steps, gemm_ms, gemm_weights
 from llmpool.engine import LLM
 from llmpool.engine.kernels import bf16_gemm
-from llmpool.engine.models import linear
 
 
 def upcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -86,12 +85,15 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64, 128, 256, 512])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--name", default="bf16_gemm", help="the results file's name")
     args = parser.parse_args()
     if not bf16_gemm.KERNEL.available:
         raise SystemExit("the bf16_gemm kernel is not built here (it needs AVX-512 and gcc)")
 
     llm = build_in_ended_thread(lambda: LLM(dtype="bfloat16", enable_prefix_caching=False))
     weights = [w.detach() for w in gemm_weights(llm.engine.model)]
+    probed = llm.engine.kernels.gemm.bfloat16_kernel_max_rows
+    print(f"the start-up probe runs GEMMs of up to {probed} rows in the kernel", flush=True)
     gemms = []
     for rows in args.rows:
         gemms.append(step_gemms(weights, rows, args.rounds))
@@ -99,17 +101,18 @@ def main() -> None:
     report = {
         "threads": torch.get_num_threads(),
         "step_gemms": gemms,
+        "probed_kernel_max_rows": probed,
         "step_bfloat16_eager": alternate_steps(
             llm,
             args.concurrency,
             args.rounds,
             {
-                "kernel": lambda: kernel_up_to(llm, linear.BFLOAT16_KERNEL_MAX_ROWS),
+                "probed": lambda: kernel_up_to(llm, probed),
                 "torch": lambda: kernel_up_to(llm, None),
             },
         ),
     }
-    write_json(RESULTS / "bf16_gemm.json", report, script_command(__file__))
+    write_json(RESULTS / f"{args.name}.json", report, script_command(__file__))
 
 
 if __name__ == "__main__":
