@@ -143,6 +143,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+START_ATTEMPTS = 3
+
+
 class OperatorProcess:
     """`llmpool operator` as a local process, with its log kept for failures."""
 
@@ -150,14 +153,50 @@ class OperatorProcess:
         self.cluster = cluster
         self.extra = extra
         self.log_path = log_path
-        self.metrics_port = free_port()
+        self.metrics_port = 0
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "llmpool.cli", "operator", *self.extra]
-        argv += ["--metrics-port", str(self.metrics_port), "--liveness-port", str(free_port())]
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(argv, env=self.cluster.env, stdout=log, stderr=log)
+        """Start the operator and wait until its liveness endpoint answers, which kopf does once
+        the start-up handlers ran (the metrics server among them). A start that exits first is
+        retried on fresh ports: a port ``free_port`` gave may be taken before the operator binds
+        it (by any outgoing connection's ephemeral port), and an operator that never starts
+        leaves a test waiting for pods that never come."""
+        for _ in range(START_ATTEMPTS):
+            self.metrics_port, liveness_port = free_port(), free_port()
+            argv = [sys.executable, "-m", "llmpool.cli", "operator", *self.extra]
+            argv += [
+                "--metrics-port",
+                str(self.metrics_port),
+                "--liveness-port",
+                str(liveness_port),
+            ]
+            with self.log_path.open("ab") as log:
+                self.process = subprocess.Popen(argv, env=self.cluster.env, stdout=log, stderr=log)
+            if self._live(liveness_port):
+                return
+        raise AssertionError(
+            f"the operator exited at start {START_ATTEMPTS} times:\n{self.log()[-3000:]}"
+        )
+
+    def _live(self, liveness_port: int, timeout: float = 120) -> bool:
+        """Whether the started operator answers on ``liveness_port``; False once it exited."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            try:
+                url = f"http://127.0.0.1:{liveness_port}/healthz"
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    if response.status == 200:
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(
+            f"the operator did not turn live in {timeout:.0f}s:\n{self.log()[-3000:]}"
+        )
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process is not None and self.process.poll() is None:
