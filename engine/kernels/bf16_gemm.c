@@ -12,7 +12,8 @@
  *
  * A work item is 4 consecutive weight rows against all of x, in tiles of 4 x rows: the 4 weight
  * rows are read from memory once (the next item's rows are prefetched meanwhile, which took a
- * 16-row step over SmolLM2's weights from 40 to 28 ms) and from L1 for the other tiles.
+ * 16-row step over SmolLM2's weights from 40 to 28 ms) and from L1 for the other tiles. With one
+ * row of x (tile_one_row) the 4 weight rows are read one after the other instead.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -98,15 +99,27 @@ static void tile(const float *xs, const uint16_t *w, uint16_t *y, int64_t row, i
     STORE(0) STORE(1) STORE(2) STORE(3)
 }
 
-/* One row of x: a decode step of one sequence, bound by reading the weight. */
-static void tile_one_row(const float *xs, const uint16_t *w, uint16_t *y, int64_t row, int64_t col,
-                         int64_t cols, int64_t N, int64_t K, int64_t padded_k) {
-    COMMON
-    const int64_t rows = 1;
-    const float *x0 = xs + row * padded_k;
-    ZERO(0)
-    OVER_K(LOAD_WEIGHT(0) LOAD_WEIGHT(1) LOAD_WEIGHT(2) LOAD_WEIGHT(3) ACCUMULATE(0))
-    STORE(0)
+/* One row of x: a decode step of one sequence, bound by reading the weight. The weight rows are
+ * read one after the other, a single sequential stream that the hardware prefetcher follows;
+ * interleaved as in tile(), they were four short streams (18 cache lines each for SmolLM2) and
+ * the step's GEMMs read 21 GB/s on a 2-core Zen 4 EPYC, 29 GB/s this way (torch.sum: 29). */
+static void tile_one_row(const float *xs, const uint16_t *w, uint16_t *y, int64_t col, int64_t cols,
+                         int64_t K, int64_t padded_k) {
+    const int64_t half = padded_k / 2;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 acc[COLS];
+    for (int64_t j = 0; j < COLS; ++j) {
+        const uint16_t *row = w + (col + (j < cols ? j : 0)) * K; /* past N: the first row again */
+        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+            const __mmask32 mask = k + 32 <= K ? ~(__mmask32)0 : (__mmask32)((1ull << (K - k)) - 1);
+            const __m512i packed = _mm512_maskz_loadu_epi16(mask, row + k);
+            even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(packed, 16)), _mm512_loadu_ps(xs + k / 2), even);
+            odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(packed, high)), _mm512_loadu_ps(xs + half + k / 2), odd);
+        }
+        acc[j] = _mm512_add_ps(even, odd);
+    }
+    _mm_mask_storeu_epi16(y + col, (__mmask8)((1u << cols) - 1), to_bf16(sum4(acc[0], acc[1], acc[2], acc[3])));
 }
 
 /* x [M, K], W [N, K] and y [M, N], bfloat16 bits, contiguous. */
@@ -132,7 +145,7 @@ void bf16_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, i
         for (int64_t item = 0; item < items; ++item) {
             const int64_t col = item * COLS, cols = N - col < COLS ? N - col : COLS;
             if (M == 1) {
-                tile_one_row(xs, w, y, 0, col, cols, N, K, padded_k);
+                tile_one_row(xs, w, y, col, cols, K, padded_k);
                 continue;
             }
             for (int64_t row = 0; row < M; row += ROWS)
