@@ -12,7 +12,7 @@ import torch
 from llmpool.engine import ops
 from llmpool.engine.attention import cpu_backend, torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
-from llmpool.engine.kernels import cpu_decode
+from llmpool.engine.kernels import cpu_decode, cpu_layer_ops
 from llmpool.engine.kernels.capabilities import KernelCapabilities
 from llmpool.engine.kernels.cpu_lora import cpu_lora_add
 from llmpool.engine.kv_cache import FP8_DTYPE
@@ -60,18 +60,24 @@ TORCH = torch_backend_with(TORCH_GEMMS)
 
 
 def cpu_backend_with(kernels: KernelCapabilities) -> Backend:
-    """The torch backend with decodes attended in ``cpu_decode.c`` and, where it is built,
-    adapter deltas added in ``cpu_lora.c``."""
-    torch_path = torch_backend_with(kernels.gemm)
-    return replace(
-        torch_path,
+    """The torch backend with decodes attended in ``cpu_decode.c`` and, where they are built,
+    adapter deltas added in ``cpu_lora.c`` and norms and rotary in ``cpu_layer_ops.c``."""
+    backend = replace(
+        torch_backend_with(kernels.gemm),
         name="cpu",
         plan=cpu_backend.plan,
         paged_attention=cpu_backend.paged_attention,
-        lora_add=functools.partial(cpu_lora_add, gemm=kernels.gemm)
-        if kernels.cpu_lora
-        else torch_path.lora_add,
     )
+    if kernels.cpu_lora:
+        backend = replace(backend, lora_add=functools.partial(cpu_lora_add, gemm=kernels.gemm))
+    if kernels.cpu_layer_ops:
+        backend = replace(
+            backend,
+            rms_norm=cpu_layer_ops.rms_norm,
+            fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
+            rotary_embedding=cpu_layer_ops.rotary_embedding,
+        )
+    return backend
 
 
 def select_backend(

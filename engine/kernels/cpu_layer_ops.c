@@ -1,0 +1,121 @@
+/* A decoder layer's element-wise work on CPU: RMSNorm (with the residual add folded in) and the
+ * rotary embedding of queries and keys, one call each instead of the torch reference's 7 and ~20
+ * small ops (engine/ops.py), which at one decoding row cost more than the arithmetic.
+ *
+ * Each result is rounded to the storage dtype at the same points as the reference, so bfloat16
+ * and float32 results equal it except where the variance's summation order moves its last bit:
+ *   add_rms_norm: s = round(x + residual); out = round(weight * round(s * rsqrt(mean(s^2) + eps)))
+ *   rotary: out = round(round(x * round(cos)) + round(rotate_half(x) * round(sin)))
+ * Plain C that the compiler vectorizes for the build's instruction set (c_loader.arch_flags).
+ */
+#pragma GCC optimize("fp-contract=off") /* the reference rounds each product: no fused multiply-adds */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16        /* partial sums of the variance: one vector register on AVX-512 */
+#define MAX_HALF 256    /* rotary: head_dim up to 512 (the Python side checks) */
+#define PARALLEL_ROWS 32 /* rows from which a call splits its rows across threads */
+
+static inline float bf16_load(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* To bfloat16, rounded to nearest even; a NaN stays a quiet NaN (as torch rounds). */
+static inline uint16_t bf16_round(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return value != value ? (uint16_t)((bits >> 16) | 0x40u) : (uint16_t)rounded;
+}
+
+static inline float f32_load(float value) { return value; }
+static inline float f32_round(float value) { return value; }
+
+/* A value as stored in T, read back as float32: what the reference's intermediate tensors hold. */
+#define STORED(SUFFIX, value) SUFFIX##_load(SUFFIX##_round(value))
+
+/* out[r] = weight * norm(s), s = x[r] + residual[r] (or x[r] where residual is NULL), written to
+ * new_residual[r] when adding. Rows are contiguous, `hidden` elements each. */
+#define DEFINE_ADD_RMS_NORM(SUFFIX, T)                                                              \
+    void add_rms_norm_##SUFFIX(const T *x, const T *residual, const T *weight, T *out,             \
+                               T *new_residual, int64_t rows, int64_t hidden, float eps) {         \
+        _Pragma("omp parallel for if (rows >= PARALLEL_ROWS)")                                     \
+        for (int64_t r = 0; r < rows; r++) {                                                       \
+            const T *s = x + r * hidden;                                                           \
+            if (residual != NULL) {                                                                \
+                const T *add = residual + r * hidden;                                              \
+                T *sum = new_residual + r * hidden;                                                \
+                for (int64_t j = 0; j < hidden; j++)                                               \
+                    sum[j] = SUFFIX##_round(SUFFIX##_load(s[j]) + SUFFIX##_load(add[j]));          \
+                s = sum;                                                                           \
+            }                                                                                      \
+            float partial[LANES] = {0};                                                            \
+            int64_t j = 0;                                                                         \
+            for (; j + LANES <= hidden; j += LANES)                                                \
+                for (int lane = 0; lane < LANES; lane++) {                                         \
+                    const float v = SUFFIX##_load(s[j + lane]);                                    \
+                    partial[lane] += v * v;                                                        \
+                }                                                                                  \
+            for (; j < hidden; j++) {                                                              \
+                const float v = SUFFIX##_load(s[j]);                                               \
+                partial[0] += v * v;                                                               \
+            }                                                                                      \
+            float total = 0.0f;                                                                    \
+            for (int lane = 0; lane < LANES; lane++)                                               \
+                total += partial[lane];                                                            \
+            const float inverse = 1.0f / sqrtf(total / (float)hidden + eps);                       \
+            T *o = out + r * hidden;                                                               \
+            for (j = 0; j < hidden; j++)                                                           \
+                o[j] = SUFFIX##_round(SUFFIX##_load(weight[j]) *                                   \
+                                      STORED(SUFFIX, SUFFIX##_load(s[j]) * inverse));              \
+        }                                                                                          \
+    }
+
+DEFINE_ADD_RMS_NORM(bf16, uint16_t)
+DEFINE_ADD_RMS_NORM(f32, float)
+
+/* Rotate-half (neox) rotary embedding of `heads` heads of `head_dim` per token, from rows
+ * `src_stride` elements apart (a view into the fused QKV output) to contiguous `dst`.
+ * cos_sin: float32 [max_positions, head_dim], the cosines then the sines of each position. */
+#define DEFINE_ROTATE(SUFFIX, T)                                                                   \
+    static void rotate_##SUFFIX(const T *src, T *dst, const float *cos_, const float *sin_,        \
+                                int64_t heads, int64_t head_dim) {                                 \
+        const int64_t half = head_dim / 2;                                                         \
+        for (int64_t h = 0; h < heads; h++) {                                                      \
+            const T *x = src + h * head_dim;                                                       \
+            T *y = dst + h * head_dim;                                                             \
+            for (int64_t i = 0; i < half; i++) {                                                   \
+                const float first = SUFFIX##_load(x[i]), second = SUFFIX##_load(x[i + half]);      \
+                y[i] = SUFFIX##_round(STORED(SUFFIX, first * cos_[i]) -                            \
+                                      STORED(SUFFIX, second * sin_[i]));                           \
+                y[i + half] = SUFFIX##_round(STORED(SUFFIX, second * cos_[i]) +                    \
+                                             STORED(SUFFIX, first * sin_[i]));                     \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    void rotary_##SUFFIX(const int64_t *positions, const float *cos_sin, const T *query,           \
+                         const T *key, T *query_out, T *key_out, int64_t tokens, int64_t heads,    \
+                         int64_t kv_heads, int64_t head_dim, int64_t query_stride,                 \
+                         int64_t key_stride) {                                                     \
+        const int64_t half = head_dim / 2;                                                         \
+        _Pragma("omp parallel for if (tokens >= PARALLEL_ROWS)")                                   \
+        for (int64_t t = 0; t < tokens; t++) {                                                     \
+            const float *angles = cos_sin + positions[t] * head_dim;                               \
+            float cos_[MAX_HALF], sin_[MAX_HALF];                                                  \
+            for (int64_t i = 0; i < half; i++) {                                                   \
+                cos_[i] = STORED(SUFFIX, angles[i]);                                               \
+                sin_[i] = STORED(SUFFIX, angles[half + i]);                                        \
+            }                                                                                      \
+            rotate_##SUFFIX(query + t * query_stride, query_out + t * heads * head_dim, cos_,     \
+                            sin_, heads, head_dim);                                                \
+            rotate_##SUFFIX(key + t * key_stride, key_out + t * kv_heads * head_dim, cos_, sin_,  \
+                            kv_heads, head_dim);                                                   \
+        }                                                                                          \
+    }
+
+DEFINE_ROTATE(bf16, uint16_t)
+DEFINE_ROTATE(f32, float)
