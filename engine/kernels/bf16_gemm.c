@@ -13,7 +13,7 @@
  * A work item is 4 consecutive weight rows against all of x, in tiles of 4 x rows: the 4 weight
  * rows are read from memory once (the next item's rows are prefetched meanwhile, which took a
  * 16-row step over SmolLM2's weights from 40 to 28 ms) and from L1 for the other tiles. With one
- * row of x (tile_one_row) the 4 weight rows are read one after the other instead.
+ * or two rows of x (few_rows) the 4 weight rows are read one after the other instead.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -21,6 +21,7 @@
 
 #define ROWS 4 /* x rows per tile */
 #define COLS 4 /* weight rows (outputs) per tile */
+#define FEW_ROWS 2 /* x rows up to which few_rows() streams each weight row on its own */
 
 /* The 16 lanes of a, b, c and d each summed: {sum a, sum b, sum c, sum d}. */
 static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -99,27 +100,46 @@ static void tile(const float *xs, const uint16_t *w, uint16_t *y, int64_t row, i
     STORE(0) STORE(1) STORE(2) STORE(3)
 }
 
-/* One row of x: a decode step of one sequence, bound by reading the weight. The weight rows are
- * read one after the other, a single sequential stream that the hardware prefetcher follows;
- * interleaved as in tile(), they were four short streams (18 cache lines each for SmolLM2) and
- * the step's GEMMs read 21 GB/s on a 2-core Zen 4 EPYC, 29 GB/s this way (torch.sum: 29). */
-static void tile_one_row(const float *xs, const uint16_t *w, uint16_t *y, int64_t col, int64_t cols,
-                         int64_t K, int64_t padded_k) {
+/* Up to FEW_ROWS rows of x, all of it: a decode step of one or two sequences, bound by reading the
+ * weight. The weight rows are read one after the other, a single sequential stream that the
+ * hardware prefetcher follows; interleaved as in tile(), they were four short streams (18 cache
+ * lines each for SmolLM2): a step's GEMMs on a 2-core Zen 4 EPYC read 18-21 GB/s that way, 22-33
+ * this way. At 3 and 4 rows the tiles, prefetching the next item's rows, were as fast or faster.
+ * `rows` is a constant where few_rows_of() inlines this. */
+static inline __attribute__((always_inline)) void few_rows(const float *xs, const uint16_t *w, uint16_t *y,
+                                                           const int rows, int64_t col, int64_t cols, int64_t N,
+                                                           int64_t K, int64_t padded_k) {
     const int64_t half = padded_k / 2;
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 acc[COLS];
+    __m512 acc[FEW_ROWS][COLS];
     for (int64_t j = 0; j < COLS; ++j) {
         const uint16_t *row = w + (col + (j < cols ? j : 0)) * K; /* past N: the first row again */
-        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        __m512 even[FEW_ROWS], odd[FEW_ROWS];
+        for (int i = 0; i < rows; ++i) even[i] = odd[i] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) {
             const __mmask32 mask = k + 32 <= K ? ~(__mmask32)0 : (__mmask32)((1ull << (K - k)) - 1);
             const __m512i packed = _mm512_maskz_loadu_epi16(mask, row + k);
-            even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(packed, 16)), _mm512_loadu_ps(xs + k / 2), even);
-            odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(packed, high)), _mm512_loadu_ps(xs + half + k / 2), odd);
+            const __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
+            const __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(packed, high));
+            for (int i = 0; i < rows; ++i) {
+                const float *x = xs + i * padded_k;
+                even[i] = _mm512_fmadd_ps(w_even, _mm512_loadu_ps(x + k / 2), even[i]);
+                odd[i] = _mm512_fmadd_ps(w_odd, _mm512_loadu_ps(x + half + k / 2), odd[i]);
+            }
         }
-        acc[j] = _mm512_add_ps(even, odd);
+        for (int i = 0; i < rows; ++i) acc[i][j] = _mm512_add_ps(even[i], odd[i]);
     }
-    _mm_mask_storeu_epi16(y + col, (__mmask8)((1u << cols) - 1), to_bf16(sum4(acc[0], acc[1], acc[2], acc[3])));
+    for (int i = 0; i < rows; ++i)
+        _mm_mask_storeu_epi16(y + i * N + col, (__mmask8)((1u << cols) - 1),
+                              to_bf16(sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3])));
+}
+
+static void few_rows_of(const float *xs, const uint16_t *w, uint16_t *y, int64_t rows, int64_t col,
+                        int64_t cols, int64_t N, int64_t K, int64_t padded_k) {
+    if (rows == 1)
+        few_rows(xs, w, y, 1, col, cols, N, K, padded_k);
+    else
+        few_rows(xs, w, y, 2, col, cols, N, K, padded_k);
 }
 
 /* x [M, K], W [N, K] and y [M, N], bfloat16 bits, contiguous. */
@@ -144,8 +164,8 @@ void bf16_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, i
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; ++item) {
             const int64_t col = item * COLS, cols = N - col < COLS ? N - col : COLS;
-            if (M == 1) {
-                tile_one_row(xs, w, y, col, cols, K, padded_k);
+            if (M <= FEW_ROWS) {
+                few_rows_of(xs, w, y, M, col, cols, N, K, padded_k);
                 continue;
             }
             for (int64_t row = 0; row < M; row += ROWS)
