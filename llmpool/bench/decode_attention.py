@@ -30,6 +30,7 @@ from llmpool.bench.steps import (
     CONTEXT,
     ENDLESS,
     alternating_step_ms,
+    per_dtype,
     random_prompts,
     start_decoding,
 )
@@ -143,16 +144,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--name", default="decode_attention")
     args = parser.parse_args()
-    layers = []
-    for dtype in (torch.bfloat16, torch.float32):
-        for concurrency in args.concurrency:
-            row = {"dtype": str(dtype).removeprefix("torch."), "concurrency": concurrency}
-            row |= layer_microseconds(concurrency, dtype, args.rounds)
-            layers.append(row)
-            print(f"layer: {row}", flush=True)
     report = {
         "threads": torch.get_num_threads(),
-        "layer": layers,
+        "layer": per_dtype(
+            "concurrency",
+            args.concurrency,
+            lambda concurrency, dtype: layer_microseconds(concurrency, dtype, args.rounds),
+        ),
         "step_bfloat16": step_milliseconds(args.concurrency, args.rounds),
     }
     write_json(RESULTS / f"{args.name}.json", report, script_command(__file__))

@@ -22,7 +22,7 @@ import torch
 
 from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
-from llmpool.bench.steps import alternate_steps, alternating_step_ms
+from llmpool.bench.steps import alternate_steps, alternating_step_ms, per_dtype
 from llmpool.engine import LLM, ops
 from llmpool.engine.kernels import cpu_layer_ops
 
@@ -86,16 +86,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--name", default="layer_ops")
     args = parser.parse_args()
-    op_rows = []
-    for dtype in (torch.bfloat16, torch.float32):
-        for rows in args.rows:
-            row = {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
-            row |= op_microseconds(rows, dtype, args.rounds)
-            op_rows.append(row)
-            print(f"ops: {row}", flush=True)
     report = {
         "threads": torch.get_num_threads(),
-        "ops": op_rows,
+        "ops": per_dtype(
+            "rows", args.rows, lambda rows, dtype: op_microseconds(rows, dtype, args.rounds)
+        ),
         "step": step_milliseconds(args.dtype, args.concurrency, args.rounds),
     }
     write_json(RESULTS / f"{args.name}.json", report, script_command(__file__))

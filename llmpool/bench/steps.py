@@ -121,3 +121,17 @@ def gemm_ms(
                     way(input_for(operand), operand)
                 times[name].append((time.perf_counter() - started) * 1e3)
     return {name: statistics.median(values[1:]) for name, values in times.items()}
+
+
+def per_dtype(
+    key: str, sizes: Sequence[int], measure: Callable[[int, torch.dtype], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """``measure(size, dtype)`` for bfloat16 then float32 at each size, one row each (labelled
+    ``dtype`` and ``key``), printed as it comes."""
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for size in sizes:
+            row = {"dtype": str(dtype).removeprefix("torch."), key: size} | measure(size, dtype)
+            rows.append(row)
+            print(f"{key} {size}: {row}", flush=True)
+    return rows
