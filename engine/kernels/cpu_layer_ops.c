@@ -78,9 +78,10 @@ static inline float f32_round(float value) { return value; }
 DEFINE_ADD_RMS_NORM(bf16, uint16_t)
 DEFINE_ADD_RMS_NORM(f32, float)
 
-/* Rotate-half (neox) rotary embedding of `heads` heads of `head_dim` per token, from rows
- * `src_stride` elements apart (a view into the fused QKV output) to contiguous `dst`.
- * cos_sin: float32 [max_positions, head_dim], the cosines then the sines of each position. */
+/* Rotate-half (neox) rotary embedding of each token's query and key heads (`head_dim` each), read
+ * from rows `query_stride` and `key_stride` elements apart (views into the fused QKV output) and
+ * written to contiguous outputs. cos_sin: float32 [max_positions, head_dim], the cosines then the
+ * sines of each position. */
 #define DEFINE_ROTATE(SUFFIX, T)                                                                   \
     static void rotate_##SUFFIX(const T *src, T *dst, const float *cos_, const float *sin_,        \
                                 int64_t heads, int64_t head_dim) {                                 \
