@@ -104,9 +104,9 @@ static void tile(const float *xs, const void *w, float *y, int64_t row, int64_t 
 /* Up to FEW_ROWS rows of x, all of it: a decode step of one or two sequences, bound by reading the
  * weight. Each weight row is read start to end before the next, one sequential stream that the
  * hardware prefetcher follows (4 rows interleaved chunk by chunk, as in tile(), were 4 short
- * streams, which it follows poorly: on a 2-core Zen 4 EPYC a step's GEMMs at one row are 1.5x as
- * fast this way in bfloat16, 1.7x in float32), into two accumulators per x row (the chunk's low and
- * high halves). At 3 and 4 rows the tiles, prefetching the next item's rows, were as fast or
+ * streams, which it follows poorly: on a 2-core Zen 4 EPYC a step's GEMMs at one row are 1.6x as
+ * fast this way in bfloat16, 1.35x in float32), into two accumulators per x row (the chunk's low
+ * and high halves). At 3 and 4 rows the tiles, prefetching the next item's rows, were as fast or
  * faster. `rows` is a constant where few_rows_of() inlines this. */
 static inline __attribute__((always_inline)) void few_rows(const float *xs, const void *w, float *y,
                                                            const int rows, int64_t col, int64_t cols, int64_t N,

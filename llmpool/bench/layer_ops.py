@@ -24,6 +24,7 @@ from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
 from llmpool.bench.steps import alternate_steps, alternating_step_ms, per_dtype
 from llmpool.engine import LLM, ops
+from llmpool.engine.attention import cpu_backend_with
 from llmpool.engine.kernels import cpu_layer_ops
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 576, 9, 3, 64
@@ -63,12 +64,7 @@ def step_milliseconds(dtype: str, concurrencies: list[int], rounds: int) -> list
     kernel = model.backend
     if kernel.fused_add_rms_norm is not cpu_layer_ops.fused_add_rms_norm:
         raise SystemExit(f"the engine's {kernel.name} backend does not run cpu_layer_ops.c here")
-    reference = dataclasses.replace(
-        kernel,
-        rms_norm=ops.rms_norm,
-        fused_add_rms_norm=ops.fused_add_rms_norm,
-        rotary_embedding=ops.rotary_embedding,
-    )
+    reference = cpu_backend_with(dataclasses.replace(llm.engine.kernels, cpu_layer_ops=False))
 
     def use(backend: Any) -> Callable[[], None]:
         return lambda: setattr(model, "backend", backend)
