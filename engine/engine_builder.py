@@ -185,6 +185,7 @@ def load_model(
     quantize(model, config.quantization, kernels)
     model = model.to(device=device, dtype=dtype).eval()
     model.cos_sin_cache = model.cos_sin_cache.to(device)
+    model.use_kernels(kernels)  # the weights are where they stay: the C decoder holds them
     return model, model_shape_for_capacity(shape, num_parameters)
 
 

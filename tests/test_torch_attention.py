@@ -15,7 +15,7 @@ from llmpool.engine.attention import (
     select_backend,
 )
 from llmpool.engine.attention.torch_backend import plan
-from llmpool.engine.kernels import c_loader, cpu_decode, cpu_layer_ops, cpu_lora
+from llmpool.engine.kernels import c_loader, cpu_decode, cpu_decoder, cpu_layer_ops, cpu_lora
 from llmpool.engine.kernels.capabilities import KernelCapabilities, probe_kernels
 from llmpool.engine.kv_cache import FP8_DTYPE, LayerKVCache
 from tests.paged_batches import scattered_batch
@@ -130,6 +130,7 @@ def test_auto_picks_the_cpu_backend_for_its_cache_dtypes(monkeypatch: pytest.Mon
     monkeypatch.setattr(c_loader, "_compiler", lambda: None)
     without_compiler = probed_anew(monkeypatch)
     assert not without_compiler.cpu_decode and not without_compiler.cpu_layer_ops
+    assert not without_compiler.cpu_decoder
     assert select_backend(cpu, "auto", torch.float32, kernels=without_compiler).name == "torch"
     with pytest.raises(ValueError, match="C compiler"):
         select_backend(cpu, "cpu", kernels=without_compiler)
@@ -137,7 +138,7 @@ def test_auto_picks_the_cpu_backend_for_its_cache_dtypes(monkeypatch: pytest.Mon
 
 def probed_anew(monkeypatch: pytest.MonkeyPatch) -> KernelCapabilities:
     """The capabilities probed again with the C kernels rebuilt (each kept as it was after)."""
-    for kernel in (cpu_decode.KERNEL, cpu_lora.KERNEL, cpu_layer_ops.KERNEL):
+    for kernel in (cpu_decode.KERNEL, cpu_lora.KERNEL, cpu_layer_ops.KERNEL, cpu_decoder.KERNEL):
         monkeypatch.setattr(kernel, "_library", None)
         monkeypatch.setattr(kernel, "_tried", False)
     return probe_kernels(torch.device("cpu"))

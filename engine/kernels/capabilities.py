@@ -19,6 +19,7 @@ from llmpool.engine.kernels import (
     avx2_gemm,
     bf16_gemm,
     cpu_decode,
+    cpu_decoder,
     cpu_layer_ops,
     cpu_lora,
     vnni_gemm,
@@ -36,6 +37,7 @@ class KernelCapabilities:
     cpu_decode: bool = False  # cpu_decode.c: the CPU attention backend's decodes
     cpu_lora: bool = False  # cpu_lora.c: the CPU backend's adapter deltas
     cpu_layer_ops: bool = False  # cpu_layer_ops.c: the CPU backend's norms and rotary
+    cpu_decoder: bool = False  # cpu_decoder.c: decode steps' layers in one call (those kernels')
     bf16_gemm: bool = False  # bf16_gemm.c is built (AVX-512); whether it runs: ``gemm``
     avx2_gemm: bool = False  # avx2_gemm.c is built (AVX2 and FMA); whether it runs: ``gemm``
     vnni_gemm: bool = False  # vnni_gemm.c: int8 and int4 decodes (AVX-512 VNNI and VBMI)
@@ -58,6 +60,7 @@ def probe_kernels(
         cpu_decode=on_cpu and cpu_decode.KERNEL.available,
         cpu_lora=on_cpu and cpu_lora.KERNEL.available,
         cpu_layer_ops=on_cpu and cpu_layer_ops.KERNEL.available,
+        cpu_decoder=on_cpu and cpu_decoder.KERNEL.available,
         bf16_gemm=on_cpu and bf16_gemm.KERNEL.available,
         avx2_gemm=on_cpu and avx2_gemm.KERNEL.available,
         vnni_gemm=on_cpu and vnni_gemm.KERNEL.available,

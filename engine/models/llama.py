@@ -12,6 +12,7 @@ from torch import nn
 
 from llmpool.engine.attention import AttentionMetadata, Backend
 from llmpool.engine.attention.step import layer_attention, step_attention
+from llmpool.engine.kernels import cpu_decoder
 from llmpool.engine.kv_cache import allocate_kv_caches
 from llmpool.engine.lora import DOWN, GATE_UP, O_PROJ, QKV
 from llmpool.engine.lora.ops import LoraBatch, lora_add, step_lora
@@ -201,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(LlamaLayer(shape, i, gemm) for i in range(shape.num_layers))
         self.lora_stacks: LoraStacks | None = None
+        # Decode steps' layers in one C call, where they can run there (use_kernels).
+        self.cpu_decoder: cpu_decoder.CpuDecoder | None = None
         self.norm = nn.Parameter(torch.ones(shape.hidden_size))
         if shape.tie_word_embeddings:
             self.lm_head = self.embed_tokens.weight
@@ -219,17 +222,21 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm; ``lora`` groups the
         rows that run with an adapter (None: all run the base model)."""
+        decoder = self.cpu_decoder
+        if decoder is not None and lora is None and decoder.takes(meta):
+            return decoder(input_ids, positions, kv_caches, meta)
         with step_attention(self.backend, meta), step_lora(self.backend, self.lora_stacks, lora):
             return self.decoder(input_ids, positions, kv_caches)
 
     def use_kernels(self, kernels: KernelCapabilities) -> None:
         """Switch every layer to ``kernels``, for eager forwards (a compiled decoder keeps what
-        it traced): the engine builds with its own; benchmarks measure one choice against
-        another in one process."""
+        it traced), and decode steps to the C decoder where it runs: the engine's model, loaded
+        and cast, takes its own; benchmarks measure one choice against another in one process."""
         self.gemm = kernels.gemm
         for module in self.modules():
             if isinstance(module, Linear | Int8Linear | Int4Linear):
                 module.use_kernels(kernels)
+        self.cpu_decoder = cpu_decoder.for_model(self, kernels)
 
     def enable_lora(self, stacks: LoraStacks) -> None:
         """Add the adapters of ``stacks``' slots to every projection, per row group."""

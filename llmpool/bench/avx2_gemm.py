@@ -25,7 +25,7 @@ import torch
 from llmpool.bench.bf16_gemm import step_gemms, upcast
 from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
-from llmpool.bench.steps import alternate_steps, gemm_weights
+from llmpool.bench.steps import alternate_steps, gemm_weights, layer_by_layer
 from llmpool.engine import LLM
 from llmpool.engine.kernels import avx2_gemm
 from llmpool.engine.models import linear
@@ -46,7 +46,7 @@ KERNEL_ON = {
 
 
 def use_gemm(llm: LLM, gemm: GemmChoice) -> None:
-    llm.engine.model.use_kernels(replace(llm.engine.kernels, gemm=gemm))
+    layer_by_layer(llm.engine.model, replace(llm.engine.kernels, gemm=gemm))
 
 
 def measure(dtype: str, rows: list[int], concurrency: list[int], rounds: int) -> dict[str, object]:

@@ -27,7 +27,7 @@ import torch
 
 from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
-from llmpool.bench.steps import alternate_steps, gemm_ms, gemm_weights
+from llmpool.bench.steps import alternate_steps, gemm_ms, gemm_weights, layer_by_layer
 from llmpool.engine import LLM
 from llmpool.engine.kernels import bf16_gemm
 
@@ -77,7 +77,7 @@ def kernel_up_to(llm: LLM, max_rows: int | None) -> None:
     """Run bfloat16 GEMMs of up to ``max_rows`` rows in the kernel (None: never)."""
     kernels = llm.engine.kernels
     gemm = replace(kernels.gemm, bfloat16_kernel_max_rows=max_rows)
-    llm.engine.model.use_kernels(replace(kernels, gemm=gemm))
+    layer_by_layer(llm.engine.model, replace(kernels, gemm=gemm))
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 - Per op: ``fused_add_rms_norm`` and ``rotary_embedding`` at SmolLM2's sizes (hidden 576, 9
   query and 3 KV heads of 64) and 1-512 rows, kernel and reference alternating.
-- The whole decode step: one engine (``--dtype``, default auto) whose model's backend is switched
+- The whole decode step, layer by layer: one engine (``--dtype``, default auto) whose model's backend is switched
   between the cpu backend with the kernel and the same backend with the reference ops, rounds of
   steps alternating between the two.
 
@@ -61,6 +61,7 @@ def op_microseconds(rows: int, dtype: torch.dtype, rounds: int) -> dict[str, Any
 def step_milliseconds(dtype: str, concurrencies: list[int], rounds: int) -> list[dict[str, Any]]:
     llm = build_in_ended_thread(lambda: LLM(dtype=dtype, enable_prefix_caching=False))
     model = llm.engine.model
+    model.cpu_decoder = None  # every step layer by layer, where the backends differ
     kernel = model.backend
     if kernel.fused_add_rms_norm is not cpu_layer_ops.fused_add_rms_norm:
         raise SystemExit(f"the engine's {kernel.name} backend does not run cpu_layer_ops.c here")

@@ -17,6 +17,7 @@ import torch
 
 from llmpool.engine import LLM, SamplingParams
 from llmpool.engine.engine_core import EngineCore
+from llmpool.engine.kernels.capabilities import KernelCapabilities
 from llmpool.engine.models.llama import LlamaForCausalLM
 
 CONTEXT = (40, 700)  # tokens of context per decoding request in the kernel benchmarks
@@ -33,6 +34,13 @@ def gemm_weights(model: LlamaForCausalLM) -> list[torch.Tensor]:
             weights.append(proj.weight)
     weights.append(model.lm_head)
     return weights
+
+
+def layer_by_layer(model: LlamaForCausalLM, kernels: KernelCapabilities) -> None:
+    """``model.use_kernels(kernels)`` with every step run layer by layer (no C decoder): how
+    the kernel benchmarks compare one kernel against another inside a layer."""
+    model.use_kernels(kernels)
+    model.cpu_decoder = None
 
 
 def random_prompts(concurrency: int) -> list[list[int]]:

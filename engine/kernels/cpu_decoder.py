@@ -1,0 +1,209 @@
+"""A decode step's decoder layers in one C call on CPU: ``cpu_decoder.c``, and the model it runs.
+
+Layer by layer, a step calls ~14 kernels a layer through torch, ctypes and ``nn.Module``; at one
+decoding request on a 2-core Zen 4 EPYC that is ~4 of an ~11.5 ms bfloat16 step of SmolLM2, the
+GEMMs ~7. :class:`CpuDecoder` runs the same kernels (this CPU's few-row GEMM, ``cpu_layer_ops``'
+norms and rotary, ``cpu_decode``'s attention) from one C call over every layer, so its result is
+the layer-by-layer one: rounded at the same points, up to SiLU's ``exp`` (within an ulp of
+torch's). The model takes it for steps it can run (:meth:`CpuDecoder.takes`): decodes only, as
+many as the GEMM kernel is chosen for, no adapter rows; any other step runs layer by layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from llmpool.engine.kernels import avx2_gemm, bf16_gemm, cpu_decode, cpu_layer_ops
+from llmpool.engine.kernels.c_loader import CKernel
+from llmpool.engine.models.linear import Linear
+
+if TYPE_CHECKING:
+    from llmpool.engine.attention.metadata import AttentionMetadata
+    from llmpool.engine.kernels.capabilities import KernelCapabilities
+    from llmpool.engine.models.llama import LlamaForCausalLM
+
+SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_pointer, _size = ctypes.c_void_p, ctypes.c_int64
+KERNEL = CKernel(
+    "cpu_decoder.c",
+    {f"decode_layers_{suffix}": [_pointer] * 9 + [_size] * 2 for suffix in SUFFIXES.values()},
+)
+
+
+class Model(ctypes.Structure):
+    """``model_t``: the kernels (addresses) and sizes of one model."""
+
+    _fields_ = [
+        *((name, _pointer) for name in ("gemm", "norm", "rotary", "decode", "cos_sin", "final_norm")),
+        *((name, _size) for name in ("layers", "hidden", "intermediate", "heads", "kv_heads",
+                                     "head_dim", "block_size")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]  # fmt: skip
+
+
+LAYER_FIELDS = (
+    "input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "key_cache", "value_cache",
+)  # fmt: skip
+
+
+class Layer(ctypes.Structure):
+    """``layer_t``: one layer's weights and KV cache, by address."""
+
+    _fields_ = [(name, _pointer) for name in LAYER_FIELDS]
+
+
+def _address(library: ctypes.CDLL, symbol: str) -> int:
+    address = ctypes.cast(getattr(library, symbol), ctypes.c_void_p).value
+    assert address is not None
+    return address
+
+
+def gemm_kernel(dtype: torch.dtype, kernels: KernelCapabilities) -> tuple[int, int] | None:
+    """The address of the C GEMM that ``kernels.gemm`` runs decode rows of ``dtype`` in, and up
+    to how many rows; None where such rows stay in torch."""
+    gemm = kernels.gemm
+    if dtype == torch.bfloat16 and gemm.bfloat16_kernel_max_rows is not None:
+        kernel = bf16_gemm.KERNEL if gemm.bfloat16_kernel == "bf16_gemm" else avx2_gemm.KERNEL
+        return _address(kernel.built(), "bf16_linear"), gemm.bfloat16_kernel_max_rows
+    if dtype == torch.float32 and gemm.float32_kernel_max_rows is not None:
+        return _address(avx2_gemm.KERNEL.built(), "f32_linear"), gemm.float32_kernel_max_rows
+    return None
+
+
+class CpuDecoder:
+    """The decoder layers and final norm of ``model`` for decode steps, in ``cpu_decoder.c``.
+
+    It holds the weights' addresses: built for the model as it runs (loaded, cast), and rebuilt
+    by ``LlamaForCausalLM.use_kernels``. The KV caches' addresses are read again whenever a
+    forward passes another list of caches."""
+
+    def __init__(self, model: LlamaForCausalLM, gemm: int, max_rows: int) -> None:
+        shape = model.shape
+        self.model = model
+        self.backend = model.backend
+        self.dtype = model.norm.dtype
+        self.max_rows = max_rows
+        decode_symbol = cpu_decode.SYMBOLS.get(
+            (self.dtype, shape.head_dim), cpu_decode.SYMBOLS[self.dtype, None]
+        )
+        layer_ops = cpu_layer_ops.KERNEL.built()
+        self.spec = Model(
+            gemm=gemm,
+            norm=_address(layer_ops, cpu_layer_ops.NORM_SYMBOLS[self.dtype]),
+            rotary=_address(layer_ops, cpu_layer_ops.ROTARY_SYMBOLS[self.dtype]),
+            decode=_address(cpu_decode.KERNEL.built(), decode_symbol),
+            cos_sin=model.cos_sin_cache.data_ptr(),
+            final_norm=model.norm.data_ptr(),
+            layers=shape.num_layers,
+            hidden=shape.hidden_size,
+            intermediate=shape.intermediate_size,
+            heads=shape.num_heads,
+            kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            eps=shape.rms_norm_eps,
+            scale=shape.head_dim**-0.5,
+        )
+        self.run = getattr(KERNEL.built(), f"decode_layers_{SUFFIXES[self.dtype]}")
+        # cpu_decoder.c's workspace: 2 hidden, 3 query, 3 KV and 3 intermediate widths a row.
+        self.scratch_per_row = (
+            3 * ((shape.num_heads + shape.num_kv_heads) * shape.head_dim + shape.intermediate_size)
+            + 2 * shape.hidden_size
+        )
+        self._caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._layers = (Layer * shape.num_layers)()
+
+    def takes(self, meta: AttentionMetadata) -> bool:
+        """Whether a step of ``meta`` (without adapter rows) runs here: decodes only, at most
+        ``max_rows`` of them, on the backend this decoder was built with."""
+        return (
+            meta.max_query_len == 1
+            and meta.num_tokens == meta.num_seqs
+            and 0 < meta.num_tokens <= self.max_rows
+            and self.model.backend is self.backend
+        )
+
+    def _layers_for(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
+        if kv_caches is not self._caches:
+            for layer, spec, (key_cache, value_cache) in zip(
+                self.model.layers, self._layers, kv_caches, strict=True
+            ):
+                if key_cache.dtype != self.dtype or (layer.k_scale, layer.v_scale) != (1.0, 1.0):
+                    raise ValueError("the C decoder reads unscaled caches of the model's dtype")
+                bias = layer.qkv_proj.bias
+                spec.input_norm = layer.input_layernorm.data_ptr()
+                spec.qkv = layer.qkv_proj.weight.data_ptr()
+                spec.qkv_bias = None if bias is None else bias.data_ptr()
+                spec.o = layer.o_proj.weight.data_ptr()
+                spec.post_norm = layer.post_attention_layernorm.data_ptr()
+                spec.gate_up = layer.gate_up_proj.weight.data_ptr()
+                spec.down = layer.down_proj.weight.data_ptr()
+                spec.key_cache = key_cache.data_ptr()
+                spec.value_cache = value_cache.data_ptr()
+            self.spec.block_size = kv_caches[0][0].shape[1]
+            self._caches = kv_caches
+        return self._layers
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final norm's output ``[rows, hidden]`` for a step :meth:`takes`."""
+        layers = self._layers_for(kv_caches)
+        hidden = self.model.embed_tokens(input_ids)
+        residual = torch.empty_like(hidden)
+        scratch = torch.empty(meta.num_tokens * self.scratch_per_row, dtype=self.dtype)
+        # Every operand is held by a name for the whole call: ctypes gets bare addresses.
+        positions = positions.to(torch.int64)
+        slots = meta.slot_mapping.to(torch.int64)
+        block_tables = meta.block_tables.to(torch.int64).contiguous()
+        seq_lens = meta.seq_lens.to(torch.int64)
+        self.run(
+            ctypes.addressof(self.spec),
+            ctypes.addressof(layers),
+            hidden.data_ptr(),
+            residual.data_ptr(),
+            scratch.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            meta.num_tokens,
+            block_tables.shape[1],
+        )
+        return hidden
+
+
+def for_model(model: LlamaForCausalLM, kernels: KernelCapabilities) -> CpuDecoder | None:
+    """The C decoder of ``model`` where it can run: a dense bfloat16 or float32 model on the
+    cpu backend with the norms and rotary in C, its decode GEMMs in a C kernel; else None."""
+    dtype = model.norm.dtype
+    shape = model.shape
+    if (
+        model.backend.name != "cpu"
+        or not (kernels.cpu_decoder and kernels.cpu_decode and kernels.cpu_layer_ops)
+        or dtype not in SUFFIXES
+        or model.norm.device.type != "cpu"
+        or model.cos_sin_cache.dtype != torch.float32
+        or shape.head_dim > cpu_layer_ops.MAX_HEAD_DIM
+        or shape.head_dim % 2
+    ):
+        return None
+    projections = [
+        module
+        for layer in model.layers
+        for module in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    ]
+    if not all(type(module) is Linear and module.weight.dtype == dtype for module in projections):
+        return None  # quantized layers run their own kernels
+    gemm = gemm_kernel(dtype, kernels)
+    if gemm is None:
+        return None
+    return CpuDecoder(model, *gemm)

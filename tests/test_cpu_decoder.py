@@ -1,0 +1,209 @@
+"""The C decoder (``cpu_decoder.c``) against the layer-by-layer forward it stands in for: every
+decode step's hidden states and KV-cache writes bit for bit, on small random models and on the
+built-in model while it generates; and greedy parity with HF transformers through it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+import torch
+
+from llmpool.engine import LLM, SamplingParams
+from llmpool.engine.attention import TORCH, AttentionMetadata, cpu_backend_with
+from llmpool.engine.kernels import cpu_decoder
+from llmpool.engine.kernels.capabilities import (
+    KernelCapabilities,
+    bfloat16_kernel,
+    probe_kernels,
+)
+from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice
+from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
+from llmpool.engine.models.quantization import quantize
+from tests.conftest import needs_avx2
+from tests.paged_batches import scattered_batch
+
+pytestmark = needs_avx2()  # a few-row C GEMM: avx2_gemm, or bf16_gemm on AVX-512
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+Caches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def with_c_gemm(
+    kernels: KernelCapabilities, dtype: torch.dtype, max_rows: int = 16
+) -> KernelCapabilities:
+    """``kernels`` with decode rows of ``dtype`` in this CPU's C GEMM, whatever a probe says."""
+    if dtype == torch.bfloat16:
+        gemm = GemmChoice(
+            bfloat16_kernel_max_rows=max_rows, bfloat16_kernel=bfloat16_kernel(kernels)
+        )
+    else:
+        gemm = GemmChoice(float32_kernel_max_rows=max_rows)
+    return replace(kernels, gemm=gemm)
+
+
+def small_shape(head_dim: int, qkv_bias: bool) -> LlamaShape:
+    """Grouped-query attention (3 query heads a KV head) over 3 layers."""
+    return LlamaShape(
+        vocab_size=300, hidden_size=96, intermediate_size=160, num_layers=3, num_heads=6,
+        num_kv_heads=2, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rope_scaling=None, max_position_embeddings=512, qkv_bias=qkv_bias,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def small_model(
+    shape: LlamaShape, dtype: torch.dtype, kernels: KernelCapabilities
+) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(shape, cpu_backend_with(kernels), 512, kernels.gemm)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.3)
+    model = model.to(dtype).eval()
+    model.use_kernels(kernels)
+    return model
+
+
+def random_caches(
+    shape: LlamaShape, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> Caches:
+    size = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+    return [
+        (torch.randn(size).to(dtype), torch.randn(size).to(dtype)) for _ in range(shape.num_layers)
+    ]
+
+
+def layer_by_layer(model: LlamaForCausalLM, *inputs: object) -> torch.Tensor:
+    decoder, model.cpu_decoder = model.cpu_decoder, None
+    try:
+        return model(*inputs)
+    finally:
+        model.cpu_decoder = decoder
+
+
+def assert_caches_equal(actual: Caches, expected: Caches) -> None:
+    for (key, value), (expected_key, expected_value) in zip(actual, expected, strict=True):
+        assert torch.equal(key, expected_key) and torch.equal(value, expected_value)
+
+
+@DTYPES
+@pytest.mark.parametrize("head_dim", [64, 24])  # the attention kernel's own build for 64; any
+@pytest.mark.parametrize("qkv_bias", [False, True])  # Qwen2's biased QKV
+def test_a_decode_step_equals_the_layer_by_layer_forward(
+    dtype: torch.dtype, head_dim: int, qkv_bias: bool
+) -> None:
+    shape = small_shape(head_dim, qkv_bias)
+    model = small_model(shape, dtype, with_c_gemm(probe_kernels(torch.device("cpu")), dtype))
+    seq_lens = [1, 16, 17, 40, 300]  # the new token alone, at block edges, over many blocks
+    batch = scattered_batch(seq_lens, [1] * len(seq_lens), block_size=16, seed=3)
+    caches = random_caches(shape, batch.num_blocks, 16, dtype)
+    expected_caches = [(key.clone(), value.clone()) for key, value in caches]
+    input_ids = torch.randint(0, shape.vocab_size, (len(seq_lens),))
+    positions = torch.tensor(seq_lens) - 1
+    assert model.cpu_decoder is not None and model.cpu_decoder.takes(batch.meta)
+
+    hidden = model(input_ids, positions, caches, batch.meta)
+    expected = layer_by_layer(model, input_ids, positions, expected_caches, batch.meta)
+    assert hidden.dtype == dtype and torch.equal(hidden, expected)
+    assert_caches_equal(caches, expected_caches)
+
+
+def decode_meta(rows: int) -> AttentionMetadata:
+    return scattered_batch([8] * rows, [1] * rows, block_size=16, seed=0).meta
+
+
+def test_steps_it_does_not_take() -> None:
+    kernels = with_c_gemm(probe_kernels(torch.device("cpu")), torch.float32, max_rows=4)
+    model = small_model(small_shape(64, False), torch.float32, kernels)
+    decoder = model.cpu_decoder
+    assert decoder is not None and decoder.takes(decode_meta(4))
+    assert not decoder.takes(decode_meta(5))  # more rows than the C GEMM is chosen for
+    assert not decoder.takes(scattered_batch([8, 8], [1, 3], 16, seed=0).meta)  # a prefill
+    model.backend = cpu_backend_with(kernels)  # another backend: its kernels, layer by layer
+    assert not decoder.takes(decode_meta(4))
+
+
+def test_models_it_does_not_run() -> None:
+    kernels = with_c_gemm(probe_kernels(torch.device("cpu")), torch.float32)
+    shape = small_shape(64, False)
+    model = small_model(shape, torch.float32, kernels)
+    assert cpu_decoder.for_model(model, kernels) is not None
+    assert cpu_decoder.for_model(model, replace(kernels, gemm=TORCH_GEMMS)) is None
+    assert cpu_decoder.for_model(model, replace(kernels, cpu_decoder=False)) is None
+    assert cpu_decoder.for_model(model, replace(kernels, cpu_layer_ops=False)) is None
+    model.backend = TORCH
+    assert cpu_decoder.for_model(model, kernels) is None
+    half = small_model(shape, torch.float16, kernels)
+    assert half.cpu_decoder is None
+    quantized = LlamaForCausalLM(shape, cpu_backend_with(kernels), 512, kernels.gemm)
+    quantize(quantized, "int8", kernels)
+    quantized.use_kernels(kernels)
+    assert quantized.cpu_decoder is None  # quantized layers run their own kernels
+
+
+def c_decoded_engine(dtype: str, **config: object) -> LLM:
+    llm = LLM(dtype=dtype, enable_prefix_caching=False, **config)
+    model = llm.engine.model
+    model.use_kernels(with_c_gemm(llm.engine.kernels, model.norm.dtype))
+    assert model.cpu_decoder is not None
+    return llm
+
+
+class Checked:
+    """A C decoder that also runs each step it takes layer by layer, on copies of the caches,
+    and keeps whether the two agreed bit for bit."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        assert model.cpu_decoder is not None
+        self.model, self.decoder = model, model.cpu_decoder
+        self.rows: list[int] = []
+
+    def takes(self, meta: AttentionMetadata) -> bool:
+        return self.decoder.takes(meta)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        copies = [(key.clone(), value.clone()) for key, value in kv_caches]
+        expected = layer_by_layer(self.model, input_ids, positions, copies, meta)
+        hidden = self.decoder(input_ids, positions, kv_caches, meta)
+        assert torch.equal(hidden, expected)
+        assert_caches_equal(list(kv_caches), copies)
+        self.rows.append(meta.num_tokens)
+        return hidden
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_builtin_model_decodes_as_layer_by_layer(dtype: str) -> None:
+    llm = c_decoded_engine(dtype, max_model_len=512, kv_cache_memory="64MiB")
+    model = llm.engine.model
+    checked = Checked(model)
+    model.cpu_decoder = checked  # type: ignore[assignment]
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
+    lengths = [6, 12, 20, 30]  # the batch shrinks as requests finish: 4 rows, then 3, 2, 1
+    llm.generate(
+        prompts,
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
+    )
+    assert sorted(set(checked.rows)) == [1, 2, 3, 4]
+    assert len(checked.rows) == max(lengths) - 1  # every decode step ran in the C decoder
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_through_the_c_decoder(
+    hf_greedy_reference: dict, reference_new_tokens: int
+) -> None:
+    llm = c_decoded_engine("float32", max_model_len=2048)
+    prompts = [list(ids) for ids in hf_greedy_reference]
+    params = SamplingParams(
+        temperature=0, max_tokens=reference_new_tokens, min_tokens=reference_new_tokens
+    )
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy_reference[tuple(prompt)]
