@@ -21,7 +21,7 @@ from llmpool.engine.kernels.capabilities import (
 from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
 from llmpool.engine.models.quantization import quantize
-from tests.conftest import needs_avx2
+from tests.conftest import needs_avx2, needs_cpu
 from tests.paged_batches import scattered_batch
 
 pytestmark = needs_avx2()  # a few-row C GEMM: avx2_gemm, or bf16_gemm on AVX-512
@@ -44,9 +44,10 @@ def with_c_gemm(
 
 
 def small_shape(head_dim: int, qkv_bias: bool) -> LlamaShape:
-    """Grouped-query attention (3 query heads a KV head) over 3 layers."""
+    """Grouped-query attention (3 query heads a KV head) over 3 layers; at head_dim 64 every
+    projection's sizes suit the int4 kernel's groups and blocks."""
     return LlamaShape(
-        vocab_size=300, hidden_size=96, intermediate_size=160, num_layers=3, num_heads=6,
+        vocab_size=300, hidden_size=128, intermediate_size=192, num_layers=3, num_heads=6,
         num_kv_heads=2, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
         rope_scaling=None, max_position_embeddings=512, qkv_bias=qkv_bias,
         tie_word_embeddings=False,
@@ -54,13 +55,18 @@ def small_shape(head_dim: int, qkv_bias: bool) -> LlamaShape:
 
 
 def small_model(
-    shape: LlamaShape, dtype: torch.dtype, kernels: KernelCapabilities
+    shape: LlamaShape,
+    dtype: torch.dtype,
+    kernels: KernelCapabilities,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
+    """Random weights, quantized (from float32) and cast as the engine loads a checkpoint."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(shape, cpu_backend_with(kernels), 512, kernels.gemm)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.3)
+    quantize(model, quantization, kernels)
     model = model.to(dtype).eval()
     model.use_kernels(kernels)
     return model
@@ -88,15 +94,12 @@ def assert_caches_equal(actual: Caches, expected: Caches) -> None:
         assert torch.equal(key, expected_key) and torch.equal(value, expected_value)
 
 
-@DTYPES
-@pytest.mark.parametrize("head_dim", [64, 24])  # the attention kernel's own build for 64; any
-@pytest.mark.parametrize("qkv_bias", [False, True])  # Qwen2's biased QKV
-def test_a_decode_step_equals_the_layer_by_layer_forward(
-    dtype: torch.dtype, head_dim: int, qkv_bias: bool
+def assert_a_step_equals_the_layer_by_layer_forward(
+    model: LlamaForCausalLM, dtype: torch.dtype, seq_lens: list[int]
 ) -> None:
-    shape = small_shape(head_dim, qkv_bias)
-    model = small_model(shape, dtype, with_c_gemm(probe_kernels(torch.device("cpu")), dtype))
-    seq_lens = [1, 16, 17, 40, 300]  # the new token alone, at block edges, over many blocks
+    """One decode step of ``seq_lens`` contexts over caches of random K and V: the C decoder's
+    hidden states and cache writes against the layer-by-layer forward's, bit for bit."""
+    shape = model.shape
     batch = scattered_batch(seq_lens, [1] * len(seq_lens), block_size=16, seed=3)
     caches = random_caches(shape, batch.num_blocks, 16, dtype)
     expected_caches = [(key.clone(), value.clone()) for key, value in caches]
@@ -108,6 +111,31 @@ def test_a_decode_step_equals_the_layer_by_layer_forward(
     expected = layer_by_layer(model, input_ids, positions, expected_caches, batch.meta)
     assert hidden.dtype == dtype and torch.equal(hidden, expected)
     assert_caches_equal(caches, expected_caches)
+
+
+@DTYPES
+@pytest.mark.parametrize("head_dim", [64, 24])  # the attention kernel's own build for 64; any
+@pytest.mark.parametrize("qkv_bias", [False, True])  # Qwen2's biased QKV
+def test_a_decode_step_equals_the_layer_by_layer_forward(
+    dtype: torch.dtype, head_dim: int, qkv_bias: bool
+) -> None:
+    kernels = with_c_gemm(probe_kernels(torch.device("cpu")), dtype)
+    model = small_model(small_shape(head_dim, qkv_bias), dtype, kernels)
+    # The new token alone, contexts at block edges and over many blocks.
+    assert_a_step_equals_the_layer_by_layer_forward(model, dtype, [1, 16, 17, 40, 300])
+
+
+@needs_cpu("avx512_vnni", "avx512vbmi")  # vnni_gemm's int8 and int4 decodes
+@DTYPES
+@pytest.mark.parametrize(("quantization", "max_rows"), [("int8", 16), ("int4", 2)])
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_a_quantized_decode_step_equals_the_layer_by_layer_forward(
+    dtype: torch.dtype, quantization: str, max_rows: int, qkv_bias: bool
+) -> None:
+    kernels = probe_kernels(torch.device("cpu"))  # the dense GEMMs' choice is not asked
+    model = small_model(small_shape(64, qkv_bias), dtype, kernels, quantization)
+    assert model.cpu_decoder is not None and model.cpu_decoder.max_rows == max_rows
+    assert_a_step_equals_the_layer_by_layer_forward(model, dtype, [300, 17, 40, 1][:max_rows])
 
 
 def decode_meta(rows: int) -> AttentionMetadata:
@@ -137,10 +165,9 @@ def test_models_it_does_not_run() -> None:
     assert cpu_decoder.for_model(model, kernels) is None
     half = small_model(shape, torch.float16, kernels)
     assert half.cpu_decoder is None
-    quantized = LlamaForCausalLM(shape, cpu_backend_with(kernels), 512, kernels.gemm)
-    quantize(quantized, "int8", kernels)
-    quantized.use_kernels(kernels)
-    assert quantized.cpu_decoder is None  # quantized layers run their own kernels
+    without_vnni = replace(kernels, vnni_gemm=False)
+    assert small_model(shape, torch.float32, without_vnni, "int8").cpu_decoder is None
+    assert small_model(shape, torch.float32, without_vnni, "int4").cpu_decoder is None
 
 
 def c_decoded_engine(dtype: str, **config: object) -> LLM:
@@ -179,19 +206,29 @@ class Checked:
         return hidden
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_builtin_model_decodes_as_layer_by_layer(dtype: str) -> None:
-    llm = c_decoded_engine(dtype, max_model_len=512, kv_cache_memory="64MiB")
+BUILTIN_CASES = {
+    "bfloat16": ("bfloat16", "none"),
+    "float32": ("float32", "none"),
+    "int4": pytest.param("bfloat16", "int4", marks=needs_cpu("avx512_vnni", "avx512vbmi")),
+}
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), BUILTIN_CASES.values(), ids=BUILTIN_CASES)
+def test_the_builtin_model_decodes_as_layer_by_layer(dtype: str, quantization: str) -> None:
+    llm = c_decoded_engine(
+        dtype, quantization=quantization, max_model_len=512, kv_cache_memory="64MiB"
+    )
     model = llm.engine.model
     checked = Checked(model)
     model.cpu_decoder = checked  # type: ignore[assignment]
+    rows = min(4, checked.decoder.max_rows)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
-    lengths = [6, 12, 20, 30]  # the batch shrinks as requests finish: 4 rows, then 3, 2, 1
+    lengths = [30, 20, 12, 6][:rows]  # the batch shrinks as requests finish: 4 rows, 3, 2, 1
     llm.generate(
-        prompts,
+        prompts[:rows],
         [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
     )
-    assert sorted(set(checked.rows)) == [1, 2, 3, 4]
+    assert sorted(set(checked.rows)) == list(range(1, rows + 1))
     assert len(checked.rows) == max(lengths) - 1  # every decode step ran in the C decoder
 
 

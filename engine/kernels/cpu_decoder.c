@@ -29,21 +29,40 @@ typedef void (*decode_fn)(const void *query, const void *key_cache, const void *
                           int64_t decodes, int64_t heads, int64_t kv_heads, int64_t head_dim,
                           int64_t block_size, int64_t max_blocks, float scale);
 
-/* The kernels and sizes of one model (cpu_decoder.py's Model mirrors it field for field). */
+/* int8_linear and int4_linear of vnni_gemm.c: float32 rows in and out. */
+typedef void (*int8_fn)(const float *x, const void *weight, const void *sums, const void *scales,
+                        float *y, int64_t rows, int64_t outputs, int64_t inputs);
+typedef void (*int4_fn)(const float *x, const void *packed, const void *scales_and_zeros, float *y,
+                        int64_t rows, int64_t outputs, int64_t inputs);
+
+enum { DENSE = 0, INT8 = 1, INT4 = 2 }; /* model_t.weights */
+
+/* The kernels and sizes of one model (cpu_decoder.py's Model mirrors it field for field). The
+ * projections run in `gemm` (dense weights of the model's dtype), `int8` or `int4`, as
+ * `weights` says. */
 typedef struct {
     gemm_fn gemm;
+    int8_fn int8;
+    int4_fn int4;
     norm_fn norm;
     rotary_fn rotary;
     decode_fn decode;
     const float *cos_sin; /* [max_positions, head_dim] float32 */
     const void *final_norm;
-    int64_t layers, hidden, intermediate, heads, kv_heads, head_dim, block_size;
+    int64_t weights, layers, hidden, intermediate, heads, kv_heads, head_dim, block_size;
     float eps, scale;
 } model_t;
 
+/* A projection's operands: a dense weight; int8 codes, their row sums and float32 scales; or
+ * int4 packed codes and their scales and zeros (aux). */
+typedef struct {
+    const void *weight, *aux, *scales;
+} proj_t;
+
 /* One layer's weights and caches (cpu_decoder.py's Layer). qkv_bias may be NULL. */
 typedef struct {
-    const void *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+    const void *input_norm, *post_norm, *qkv_bias;
+    proj_t qkv, o, gate_up, down;
     void *key_cache, *value_cache;
 } layer_t;
 
@@ -96,19 +115,19 @@ static inline float exp_sleef(float x) {
 /* Element-wise glue, rounded where torch's ops round: out + bias; silu(gate) as torch computes it
  * (x / (1 + exp(-x)) in float32, stored), times up. */
 #define DEFINE_GLUE(SUFFIX, T)                                                                     \
-    static void add_bias_##SUFFIX(T *out, const T *bias, int64_t rows, int64_t width) {          \
+    static void add_bias_##SUFFIX(T *out, const T *bias, int64_t rows, int64_t width) {            \
         for (int64_t r = 0; r < rows; r++)                                                         \
             for (int64_t j = 0; j < width; j++)                                                    \
                 out[r * width + j] =                                                               \
-                    SUFFIX##_round(SUFFIX##_load(out[r * width + j]) + SUFFIX##_load(bias[j]));   \
+                    SUFFIX##_round(SUFFIX##_load(out[r * width + j]) + SUFFIX##_load(bias[j]));    \
     }                                                                                              \
-    static void silu_and_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t width) {   \
+    static void silu_and_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t width) {     \
         for (int64_t r = 0; r < rows; r++) {                                                       \
             const T *gate = gate_up + r * 2 * width, *up = gate + width;                           \
             T *o = out + r * width;                                                                \
             for (int64_t j = 0; j < width; j++) {                                                  \
                 const float g = SUFFIX##_load(gate[j]);                                            \
-                const float silu = SUFFIX##_load(SUFFIX##_round(g / (1.0f + exp_sleef(-g))));    \
+                const float silu = SUFFIX##_load(SUFFIX##_round(g / (1.0f + exp_sleef(-g))));      \
                 o[j] = SUFFIX##_round(silu * SUFFIX##_load(up[j]));                                \
             }                                                                                      \
         }                                                                                          \
@@ -117,14 +136,42 @@ static inline float exp_sleef(float x) {
 DEFINE_GLUE(bf16, uint16_t)
 DEFINE_GLUE(f32, float)
 
+/* y = x W^T in the model's kernel. The quantized kernels take and give float32 rows, as the
+ * layers call them (x.float(), then .to(dtype)): bfloat16 rows pass through `floats`, which
+ * holds rows * (inputs + outputs). */
+#define DEFINE_PROJECT(SUFFIX, T)                                                                  \
+    static void project_##SUFFIX(const model_t *m, const proj_t *p, const T *x, T *y, int64_t rows, \
+                                 int64_t outputs, int64_t inputs, float *floats) {                 \
+        if (m->weights == DENSE) {                                                                 \
+            m->gemm(x, p->weight, y, rows, outputs, inputs);                                       \
+            return;                                                                                \
+        }                                                                                          \
+        const int through_floats = sizeof(T) != sizeof(float);                                     \
+        float *fx = through_floats ? floats : (float *)x;                                          \
+        float *fy = through_floats ? floats + rows * inputs : (float *)y;                          \
+        if (through_floats)                                                                        \
+            for (int64_t i = 0; i < rows * inputs; i++) fx[i] = SUFFIX##_load(x[i]);               \
+        if (m->weights == INT8)                                                                    \
+            m->int8(fx, p->weight, p->aux, p->scales, fy, rows, outputs, inputs);                  \
+        else                                                                                       \
+            m->int4(fx, p->weight, p->aux, fy, rows, outputs, inputs);                             \
+        if (through_floats)                                                                        \
+            for (int64_t i = 0; i < rows * outputs; i++) y[i] = SUFFIX##_round(fy[i]);             \
+    }
+
+DEFINE_PROJECT(bf16, uint16_t)
+DEFINE_PROJECT(f32, float)
+
 /* The decoder for `rows` decodes: hidden holds their embeddings and is overwritten with the final
- * norm's output; residual and scratch are workspace (cpu_decoder.py sizes scratch: per row
- * 2 hidden + 3 query + 3 kv widths + 3 intermediate). */
+ * norm's output; residual, scratch and floats are workspace (cpu_decoder.py sizes them: scratch
+ * per row 2 hidden + 3 query + 3 kv widths + 3 intermediate; floats, for quantized weights in
+ * bfloat16 models, per row the widest input and output of a projection; else NULL). */
 #define DEFINE_DECODE_LAYERS(SUFFIX, T)                                                            \
-    void decode_layers_##SUFFIX(const model_t *m, const layer_t *layers, T *hidden, T *residual, \
-                                T *scratch, const int64_t *positions, const int64_t *slots,       \
-                                const int64_t *block_tables, const int64_t *seq_lens,             \
-                                int64_t rows, int64_t max_blocks) {                               \
+    void decode_layers_##SUFFIX(const model_t *m, const layer_t *layers, T *hidden, T *residual,   \
+                                T *scratch, float *floats, const int64_t *positions,               \
+                                const int64_t *slots,                                              \
+                                const int64_t *block_tables, const int64_t *seq_lens,              \
+                                int64_t rows, int64_t max_blocks) {                                \
         const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;                         \
         const int64_t q_size = m->heads * D, kv_size = m->kv_heads * D;                            \
         const int64_t qkv_size = q_size + 2 * kv_size;                                             \
@@ -140,7 +187,7 @@ DEFINE_GLUE(f32, float)
             } else {                                                                               \
                 m->norm(hidden, residual, layer->input_norm, normed, residual, rows, H, m->eps);   \
             }                                                                                      \
-            m->gemm(normed, layer->qkv, qkv, rows, qkv_size, H);                                   \
+            project_##SUFFIX(m, &layer->qkv, normed, qkv, rows, qkv_size, H, floats);              \
             if (layer->qkv_bias != NULL) add_bias_##SUFFIX(qkv, layer->qkv_bias, rows, qkv_size);  \
             m->rotary(positions, m->cos_sin, qkv, qkv + q_size, query, key, rows, m->heads,        \
                       m->kv_heads, D, qkv_size, qkv_size);                                         \
@@ -153,11 +200,11 @@ DEFINE_GLUE(f32, float)
             m->decode(query, layer->key_cache, layer->value_cache, block_tables, seq_lens,         \
                       attended, rows, m->heads, m->kv_heads, D, m->block_size, max_blocks,         \
                       m->scale);                                                                   \
-            m->gemm(attended, layer->o, projected, rows, H, q_size);                               \
+            project_##SUFFIX(m, &layer->o, attended, projected, rows, H, q_size, floats);          \
             m->norm(projected, residual, layer->post_norm, normed, residual, rows, H, m->eps);     \
-            m->gemm(normed, layer->gate_up, gate_up, rows, 2 * I, H);                              \
+            project_##SUFFIX(m, &layer->gate_up, normed, gate_up, rows, 2 * I, H, floats);         \
             silu_and_mul_##SUFFIX(gate_up, activated, rows, I);                                    \
-            m->gemm(activated, layer->down, hidden, rows, H, I);                                   \
+            project_##SUFFIX(m, &layer->down, activated, hidden, rows, H, I, floats);              \
         }                                                                                          \
         m->norm(hidden, residual, m->final_norm, hidden, residual, rows, H, m->eps);               \
     }

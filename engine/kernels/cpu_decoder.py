@@ -2,23 +2,27 @@
 
 Layer by layer, a step calls ~14 kernels a layer through torch, ctypes and ``nn.Module``; at one
 decoding request on a 2-core Zen 4 EPYC that is ~4 of an ~11.5 ms bfloat16 step of SmolLM2, the
-GEMMs ~7. :class:`CpuDecoder` runs the same kernels (this CPU's few-row GEMM, ``cpu_layer_ops``'
-norms and rotary, ``cpu_decode``'s attention) from one C call over every layer, so its result is
-the layer-by-layer one: rounded at the same points, up to SiLU's ``exp`` (within an ulp of
-torch's). The model takes it for steps it can run (:meth:`CpuDecoder.takes`): decodes only, as
-many as the GEMM kernel is chosen for, no adapter rows; any other step runs layer by layer.
+GEMMs ~7. :class:`CpuDecoder` runs the same kernels (the projections' C GEMM: this CPU's few-row
+dense one or ``vnni_gemm``'s int8 or int4 one; ``cpu_layer_ops``' norms and rotary;
+``cpu_decode``'s attention) from one C call over every layer, so its result is the
+layer-by-layer one bit for bit (SiLU's ``exp`` is SLEEF's, as torch's). The model hands it the
+steps it can run (:meth:`CpuDecoder.takes`): decodes only, as many as that GEMM is chosen for, no
+adapter rows; any other step runs layer by layer.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from llmpool.engine.kernels import avx2_gemm, bf16_gemm, cpu_decode, cpu_layer_ops
+from llmpool.engine.kernels import avx2_gemm, bf16_gemm, cpu_decode, cpu_layer_ops, vnni_gemm
 from llmpool.engine.kernels.c_loader import CKernel
+from llmpool.engine.models import int4
 from llmpool.engine.models.linear import Linear
 
 if TYPE_CHECKING:
@@ -30,31 +34,41 @@ SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _pointer, _size = ctypes.c_void_p, ctypes.c_int64
 KERNEL = CKernel(
     "cpu_decoder.c",
-    {f"decode_layers_{suffix}": [_pointer] * 9 + [_size] * 2 for suffix in SUFFIXES.values()},
+    {f"decode_layers_{suffix}": [_pointer] * 10 + [_size] * 2 for suffix in SUFFIXES.values()},
 )
+DENSE, INT8, INT4 = 0, 1, 2  # model_t.weights
 
 
 class Model(ctypes.Structure):
     """``model_t``: the kernels (addresses) and sizes of one model."""
 
     _fields_ = [
-        *((name, _pointer) for name in ("gemm", "norm", "rotary", "decode", "cos_sin", "final_norm")),
-        *((name, _size) for name in ("layers", "hidden", "intermediate", "heads", "kv_heads",
-                                     "head_dim", "block_size")),
+        *((name, _pointer) for name in ("gemm", "int8", "int4", "norm", "rotary", "decode",
+                                        "cos_sin", "final_norm")),
+        *((name, _size) for name in ("weights", "layers", "hidden", "intermediate", "heads",
+                                     "kv_heads", "head_dim", "block_size")),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
     ]  # fmt: skip
 
 
-LAYER_FIELDS = (
-    "input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "key_cache", "value_cache",
-)  # fmt: skip
+class Projection(ctypes.Structure):
+    """``proj_t``: one projection's operands, by address."""
+
+    _fields_ = [(name, _pointer) for name in ("weight", "aux", "scales")]
+
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class Layer(ctypes.Structure):
     """``layer_t``: one layer's weights and KV cache, by address."""
 
-    _fields_ = [(name, _pointer) for name in LAYER_FIELDS]
+    _fields_ = [
+        *((name, _pointer) for name in ("input_norm", "post_norm", "qkv_bias")),
+        *((name, Projection) for name in PROJECTIONS),
+        *((name, _pointer) for name in ("key_cache", "value_cache")),
+    ]
 
 
 def _address(library: ctypes.CDLL, symbol: str) -> int:
@@ -63,16 +77,50 @@ def _address(library: ctypes.CDLL, symbol: str) -> int:
     return address
 
 
-def gemm_kernel(dtype: torch.dtype, kernels: KernelCapabilities) -> tuple[int, int] | None:
-    """The address of the C GEMM that ``kernels.gemm`` runs decode rows of ``dtype`` in, and up
-    to how many rows; None where such rows stay in torch."""
+@dataclass(frozen=True)
+class Projections:
+    """How a model's projections run in the C decoder: ``weights`` (``DENSE``, ``INT8`` or
+    ``INT4``), the address of the kernel they run in, and up to how many rows they run there."""
+
+    weights: int
+    kernel: int
+    max_rows: int
+
+
+def projections(
+    modules: list[nn.Module], dtype: torch.dtype, kernels: KernelCapabilities
+) -> Projections | None:
+    """Where ``modules`` (every projection of a ``dtype`` model) run their decode rows as the
+    layers would: all dense in the C GEMM ``kernels.gemm`` chose for the dtype, or all int8 or
+    all int4 in ``vnni_gemm``; None where some run in torch."""
+    from llmpool.engine.models.quantization import INT8_VNNI_MAX_ROWS, Int8Linear  # a cycle
+
     gemm = kernels.gemm
-    if dtype == torch.bfloat16 and gemm.bfloat16_kernel_max_rows is not None:
-        kernel = bf16_gemm.KERNEL if gemm.bfloat16_kernel == "bf16_gemm" else avx2_gemm.KERNEL
-        return _address(kernel.built(), "bf16_linear"), gemm.bfloat16_kernel_max_rows
-    if dtype == torch.float32 and gemm.float32_kernel_max_rows is not None:
-        return _address(avx2_gemm.KERNEL.built(), "f32_linear"), gemm.float32_kernel_max_rows
+    if all(type(m) is Linear and m.weight.dtype == dtype for m in modules):
+        if dtype == torch.bfloat16 and gemm.bfloat16_kernel_max_rows is not None:
+            kernel = bf16_gemm.KERNEL if gemm.bfloat16_kernel == "bf16_gemm" else avx2_gemm.KERNEL
+            address = _address(kernel.built(), "bf16_linear")
+            return Projections(DENSE, address, gemm.bfloat16_kernel_max_rows)
+        if dtype == torch.float32 and gemm.float32_kernel_max_rows is not None:
+            address = _address(avx2_gemm.KERNEL.built(), "f32_linear")
+            return Projections(DENSE, address, gemm.float32_kernel_max_rows)
+        return None
+    if all(isinstance(m, Int8Linear) and m.vnni for m in modules):
+        address = _address(vnni_gemm.KERNEL.built(), "int8_linear")
+        return Projections(INT8, address, INT8_VNNI_MAX_ROWS)
+    if all(isinstance(m, int4.Int4Linear) and m.vnni_decodes for m in modules):
+        address = _address(vnni_gemm.KERNEL.built(), "int4_linear")
+        return Projections(INT4, address, int4.INT4_VNNI_MAX_ROWS)
     return None
+
+
+def _operands(module: nn.Module) -> list[torch.Tensor | None]:
+    """A projection's tensors in ``proj_t``'s order."""
+    if isinstance(module, int4.Int4Linear):
+        return [module.weight, module.scales_and_zeros_bits, None]
+    if isinstance(module, Linear):
+        return [module.weight, None, None]
+    return [module.weight, module.weight_sums, module.float_scale]  # Int8Linear
 
 
 class CpuDecoder:
@@ -82,23 +130,24 @@ class CpuDecoder:
     by ``LlamaForCausalLM.use_kernels``. The KV caches' addresses are read again whenever a
     forward passes another list of caches."""
 
-    def __init__(self, model: LlamaForCausalLM, gemm: int, max_rows: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, runs: Projections) -> None:
         shape = model.shape
         self.model = model
         self.backend = model.backend
         self.dtype = model.norm.dtype
-        self.max_rows = max_rows
+        self.max_rows = runs.max_rows
         decode_symbol = cpu_decode.SYMBOLS.get(
             (self.dtype, shape.head_dim), cpu_decode.SYMBOLS[self.dtype, None]
         )
         layer_ops = cpu_layer_ops.KERNEL.built()
+        kernel_field = {DENSE: "gemm", INT8: "int8", INT4: "int4"}[runs.weights]
         self.spec = Model(
-            gemm=gemm,
             norm=_address(layer_ops, cpu_layer_ops.NORM_SYMBOLS[self.dtype]),
             rotary=_address(layer_ops, cpu_layer_ops.ROTARY_SYMBOLS[self.dtype]),
             decode=_address(cpu_decode.KERNEL.built(), decode_symbol),
             cos_sin=model.cos_sin_cache.data_ptr(),
             final_norm=model.norm.data_ptr(),
+            weights=runs.weights,
             layers=shape.num_layers,
             hidden=shape.hidden_size,
             intermediate=shape.intermediate_size,
@@ -108,11 +157,18 @@ class CpuDecoder:
             eps=shape.rms_norm_eps,
             scale=shape.head_dim**-0.5,
         )
+        setattr(self.spec, kernel_field, runs.kernel)
         self.run = getattr(KERNEL.built(), f"decode_layers_{SUFFIXES[self.dtype]}")
-        # cpu_decoder.c's workspace: 2 hidden, 3 query, 3 KV and 3 intermediate widths a row.
-        self.scratch_per_row = (
-            3 * ((shape.num_heads + shape.num_kv_heads) * shape.head_dim + shape.intermediate_size)
-            + 2 * shape.hidden_size
+        hidden, intermediate = shape.hidden_size, shape.intermediate_size
+        query, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        # cpu_decoder.c's workspace: 2 hidden, 3 query, 3 KV and 3 intermediate widths a row,
+        # and float32 rows in and out of quantized kernels for a bfloat16 model.
+        self.scratch_per_row = 3 * (query + kv + intermediate) + 2 * hidden
+        quantized_bfloat16 = runs.weights != DENSE and self.dtype == torch.bfloat16
+        self.floats_per_row = (
+            max(hidden, query, intermediate) + max(query + 2 * kv, hidden, 2 * intermediate)
+            if quantized_bfloat16
+            else 0
         )
         self._caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._layers = (Layer * shape.num_layers)()
@@ -136,12 +192,12 @@ class CpuDecoder:
                     raise ValueError("the C decoder reads unscaled caches of the model's dtype")
                 bias = layer.qkv_proj.bias
                 spec.input_norm = layer.input_layernorm.data_ptr()
-                spec.qkv = layer.qkv_proj.weight.data_ptr()
-                spec.qkv_bias = None if bias is None else bias.data_ptr()
-                spec.o = layer.o_proj.weight.data_ptr()
                 spec.post_norm = layer.post_attention_layernorm.data_ptr()
-                spec.gate_up = layer.gate_up_proj.weight.data_ptr()
-                spec.down = layer.down_proj.weight.data_ptr()
+                spec.qkv_bias = None if bias is None else bias.data_ptr()
+                for name in PROJECTIONS:
+                    operands = _operands(getattr(layer, name))
+                    addresses = (None if t is None else t.data_ptr() for t in operands)
+                    setattr(spec, name, Projection(*addresses))
                 spec.key_cache = key_cache.data_ptr()
                 spec.value_cache = value_cache.data_ptr()
             self.spec.block_size = kv_caches[0][0].shape[1]
@@ -160,6 +216,7 @@ class CpuDecoder:
         hidden = self.model.embed_tokens(input_ids)
         residual = torch.empty_like(hidden)
         scratch = torch.empty(meta.num_tokens * self.scratch_per_row, dtype=self.dtype)
+        floats = torch.empty(meta.num_tokens * self.floats_per_row)
         # Every operand is held by a name for the whole call: ctypes gets bare addresses.
         positions = positions.to(torch.int64)
         slots = meta.slot_mapping.to(torch.int64)
@@ -171,6 +228,7 @@ class CpuDecoder:
             hidden.data_ptr(),
             residual.data_ptr(),
             scratch.data_ptr(),
+            floats.data_ptr() if self.floats_per_row else None,
             positions.data_ptr(),
             slots.data_ptr(),
             block_tables.data_ptr(),
@@ -182,8 +240,9 @@ class CpuDecoder:
 
 
 def for_model(model: LlamaForCausalLM, kernels: KernelCapabilities) -> CpuDecoder | None:
-    """The C decoder of ``model`` where it can run: a dense bfloat16 or float32 model on the
-    cpu backend with the norms and rotary in C, its decode GEMMs in a C kernel; else None."""
+    """The C decoder of ``model`` where it can run: a bfloat16 or float32 model on the cpu
+    backend with the norms and rotary in C, its projections' decode rows in a C kernel
+    (:func:`projections`); else None."""
     dtype = model.norm.dtype
     shape = model.shape
     if (
@@ -196,14 +255,10 @@ def for_model(model: LlamaForCausalLM, kernels: KernelCapabilities) -> CpuDecode
         or shape.head_dim % 2
     ):
         return None
-    projections = [
-        module
-        for layer in model.layers
-        for module in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    ]
-    if not all(type(module) is Linear and module.weight.dtype == dtype for module in projections):
-        return None  # quantized layers run their own kernels
-    gemm = gemm_kernel(dtype, kernels)
-    if gemm is None:
+    modules = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
+    runs = projections(modules, dtype, kernels)
+    if runs is None or not all(
+        t is None or t.is_contiguous() for m in modules for t in _operands(m)
+    ):
         return None
-    return CpuDecoder(model, *gemm)
+    return CpuDecoder(model, runs)

@@ -33,6 +33,7 @@ def build_fingerprint(
         block_size=config.block_size,
     )
     folder = core.resolved.folder
+    decoder = core.model.cpu_decoder
     observed = {
         "weightsDigest": model_source.weights_digest(folder),
         "tokenizerDigest": model_source.tokenizer_digest(folder),
@@ -45,6 +46,8 @@ def build_fingerprint(
         "attentionBackend": core.backend.name,
         # Which CPU GEMMs run where, timed at start: not part of the pin, as the dtype.
         "gemm": core.kernels.gemm.as_observed(),
+        # Decode steps of up to this many rows run in the C decoder (None: layer by layer).
+        "cDecoderMaxRows": None if decoder is None else decoder.max_rows,
         "engineVersion": __version__,
     }
     return {"pinned": pinned, "observed": observed, "digest": pinning.pinned_digest(pinned)}

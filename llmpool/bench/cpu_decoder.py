@@ -1,11 +1,13 @@
 """Decode steps in one C call (``cpu_decoder.c``) against the same kernels called layer by layer.
 
-One engine (``--dtype``, default auto: bfloat16 where the CPU has AVX-512 BF16) whose decode
-steps run in its C decoder or, with ``model.cpu_decoder`` unset, layer by layer through torch and
-ctypes; rounds of steps alternate between the two at each concurrency (decodes only; the C
-decoder takes up to as many rows as the engine's C GEMM is chosen for, 16 by default).
+One engine (``--dtype``, default auto: bfloat16 where the CPU has AVX-512 BF16; and
+``--quantization``) whose decode steps run in its C decoder or, with ``model.cpu_decoder`` unset,
+layer by layer through torch and ctypes; rounds of steps alternate between the two at each concurrency (decodes only; the C
+decoder takes up to as many rows as the engine's C GEMM is chosen for: 16 by default, 2 in
+int4).
 
     python benchmarks/cpu_decoder.py --concurrency 1 4 16
+    python benchmarks/cpu_decoder.py --quantization int4 --concurrency 1 2 --name cpu_decoder_int4
 
 Writes ``benchmarks/results/cpu_decoder.json`` with the CPU model.
 """
@@ -26,10 +28,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--name", default="cpu_decoder")
     args = parser.parse_args()
-    llm = build_in_ended_thread(lambda: LLM(dtype=args.dtype, enable_prefix_caching=False))
+    llm = build_in_ended_thread(
+        lambda: LLM(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False)
+    )
     model = llm.engine.model
     decoder = model.cpu_decoder
     if decoder is None:
@@ -39,6 +44,7 @@ def main() -> None:
     report = {
         "threads": torch.get_num_threads(),
         "dtype": str(model.norm.dtype),
+        "quantization": args.quantization,
         "max_rows": decoder.max_rows,
         "step": alternate_steps(
             llm,

@@ -241,6 +241,8 @@ def test_fingerprint_matches_the_operator_digest(server) -> None:
     assert gemm["float32KernelMaxRows"] in (linear.FLOAT32_KERNEL_MAX_ROWS, None)
     assert (gemm["bfloat16Kernel"], gemm["bfloat16KernelMaxRows"]) == (None, None)
     assert gemm["bfloat16UpcastMinRows"] is None
+    # Decodes run in the C decoder exactly where their GEMMs run in a C kernel.
+    assert observed["cDecoderMaxRows"] == gemm["float32KernelMaxRows"]
     assert observed["compile"] == {
         "enabled": False, "state": "off", "cache": "off", "key": None, "seconds": 0.0, "error": None,
     }  # fmt: skip
