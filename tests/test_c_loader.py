@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import pytest
 
 from llmpool.engine.kernels import c_loader
@@ -34,3 +37,24 @@ def test_a_kernel_without_a_build_for_this_cpu_is_unavailable_and_never_built(
     assert not kernel.available
     with pytest.raises(RuntimeError, match="cpu_decode.c is not built"):
         kernel.built()
+
+
+def test_only_declared_symbols_are_callable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An undeclared symbol would be called with 32-bit ints for pointers: refused instead."""
+    monkeypatch.setenv("LLMPOOL_KERNEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "two.c"
+    source.write_text(
+        "#include <stdint.h>\n"
+        "void fill(int64_t *out, int64_t n) { for (int64_t i = 0; i < n; i++) out[i] = i; }\n"
+        "void undeclared(int64_t *out) { out[0] = 1; }\n"
+    )
+    library = c_loader.build(source, [], {"fill": [ctypes.c_void_p, ctypes.c_int64]})
+    if library is None:
+        pytest.skip("no C compiler here")
+    out = (ctypes.c_int64 * 3)()
+    library.fill(ctypes.addressof(out), 3)
+    assert list(out) == [0, 1, 2]
+    with pytest.raises(AttributeError, match="undeclared is not among the symbols declared"):
+        library.undeclared  # noqa: B018

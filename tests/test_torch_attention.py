@@ -183,7 +183,7 @@ def test_a_kernel_that_cannot_be_loaded_leaves_the_torch_backend(
     def refuse(path: str) -> None:
         raise OSError(f"{path}: failed to map segment from shared object")
 
-    monkeypatch.setattr(c_loader.ctypes, "CDLL", refuse)
+    monkeypatch.setattr(c_loader, "DeclaredLibrary", refuse)
     assert cpu_decode.KERNEL.build([]) is None
     kernels = probed_anew(monkeypatch)
     assert (

@@ -80,6 +80,21 @@ def cache_key(source: bytes, flags: Sequence[str], compiler: str, cpu: frozenset
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+class DeclaredLibrary(ctypes.CDLL):
+    """A kernel library whose symbols are only those its signatures declare.
+
+    ctypes calls an undeclared symbol anyway, converting every Python int to a 32-bit C int: a
+    pointer passed so is cut in half and the call crashes the process. Here it is an
+    AttributeError instead (declared symbols are set up when the library loads)."""
+
+    declared: frozenset[str] = frozenset()
+
+    def __getattr__(self, name: str) -> ctypes._NamedFuncPointer:
+        if not name.startswith("__") and name not in self.declared:
+            raise AttributeError(f"{name} is not among the symbols declared for {self._name}")
+        return super().__getattr__(name)
+
+
 def build(
     source: Path, arch: Sequence[str], signatures: Mapping[str, Sequence[type]]
 ) -> ctypes.CDLL | None:
@@ -104,10 +119,11 @@ def build(
             return None
         partial.replace(path)  # atomic: concurrent builders each leave a whole file
     try:
-        library = ctypes.CDLL(str(path))
+        library = DeclaredLibrary(str(path))
     except OSError as error:  # e.g. a cache on a noexec mount
         logger.warning("cannot load %s from %s: %s", source.name, path.parent, error)
         return None
+    library.declared = frozenset(signatures)
     for name, argtypes in signatures.items():
         function = getattr(library, name)
         function.restype = None
