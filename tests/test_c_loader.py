@@ -58,3 +58,23 @@ def test_only_declared_symbols_are_callable(
     assert list(out) == [0, 1, 2]
     with pytest.raises(AttributeError, match="undeclared is not among the symbols declared"):
         library.undeclared  # noqa: B018
+
+
+def test_a_change_to_an_included_header_is_a_new_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernels share headers from their folder: editing one must not load a stale build."""
+    monkeypatch.setenv("LLMPOOL_KERNEL_CACHE", str(tmp_path / "cache"))
+    source, header = tmp_path / "uses.c", tmp_path / "value.h"
+    source.write_text(
+        '#include <stdint.h>\n#include "value.h"\nvoid value(int64_t *out) { out[0] = VALUE; }\n'
+    )
+    out = (ctypes.c_int64 * 1)()
+    for expected in (1, 2):
+        header.write_text(f"#define VALUE {expected}\n")
+        library = c_loader.build(source, [], {"value": [ctypes.c_void_p]})
+        if library is None:
+            pytest.skip("no C compiler here")
+        library.value(ctypes.addressof(out))
+        assert out[0] == expected
+    assert len(list((tmp_path / "cache").glob("uses-*.so"))) == 2

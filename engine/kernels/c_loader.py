@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -95,6 +96,14 @@ class DeclaredLibrary(ctypes.CDLL):
         return super().__getattr__(name)
 
 
+def source_bytes(source: Path) -> bytes:
+    """``source`` and each header it includes from its own folder (``#include "name.h"``), in
+    order: what a build compiles, so a change to a shared header is a new build."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return b"\0".join([text, *((source.parent / name.decode()).read_bytes() for name in headers)])
+
+
 def build(
     source: Path, arch: Sequence[str], signatures: Mapping[str, Sequence[type]]
 ) -> ctypes.CDLL | None:
@@ -104,7 +113,7 @@ def build(
     if compiler is None:
         return None
     flags = [*BASE_FLAGS, *arch]
-    key = cache_key(source.read_bytes(), flags, compiler, cpu_flags())
+    key = cache_key(source_bytes(source), flags, compiler, cpu_flags())
     path = _cache_dir() / f"{source.stem}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_scalar.h"
+
 typedef void (*gemm_fn)(const void *x, const void *w, void *y, int64_t rows, int64_t outputs,
                         int64_t inputs);
 typedef void (*norm_fn)(const void *x, const void *residual, const void *weight, void *out,
@@ -65,24 +67,6 @@ typedef struct {
     proj_t qkv, o, gate_up, down;
     void *key_cache, *value_cache;
 } layer_t;
-
-static inline float bf16_load(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-/* To bfloat16, rounded to nearest even; a NaN stays a quiet NaN (as torch rounds). */
-static inline uint16_t bf16_round(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return value != value ? (uint16_t)((bits >> 16) | 0x40u) : (uint16_t)rounded;
-}
-
-static inline float f32_load(float value) { return value; }
-static inline float f32_round(float value) { return value; }
 
 /* exp(x) as SLEEF's expf_u10 computes it, which torch's vectorized CPU ops call (silu among
  * them), so that SiLU here rounds as torch's does: x = q ln2 + s (ln2 in two parts), e^s by a

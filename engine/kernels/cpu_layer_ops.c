@@ -13,27 +13,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_scalar.h"
+
 #define LANES 16        /* partial sums of the variance: one vector register on AVX-512 */
 #define MAX_HALF 256    /* rotary: head_dim up to 512 (the Python side checks) */
 #define PARALLEL_ROWS 32 /* rows from which a call splits its rows across threads */
-
-static inline float bf16_load(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-/* To bfloat16, rounded to nearest even; a NaN stays a quiet NaN (as torch rounds). */
-static inline uint16_t bf16_round(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return value != value ? (uint16_t)((bits >> 16) | 0x40u) : (uint16_t)rounded;
-}
-
-static inline float f32_load(float value) { return value; }
-static inline float f32_round(float value) { return value; }
 
 /* A value as stored in T, read back as float32: what the reference's intermediate tensors hold. */
 #define STORED(SUFFIX, value) SUFFIX##_load(SUFFIX##_round(value))
