@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmpool.engine import LLM, SamplingParams
-from llmpool.engine.attention import TORCH, AttentionMetadata, cpu_backend_with
+from llmpool.engine.attention import TORCH, AttentionMetadata, Backend, cpu_backend_with
 from llmpool.engine.kernels import cpu_decoder
 from llmpool.engine.kernels.capabilities import (
     KernelCapabilities,
@@ -105,7 +105,7 @@ def assert_a_step_equals_the_layer_by_layer_forward(
     expected_caches = [(key.clone(), value.clone()) for key, value in caches]
     input_ids = torch.randint(0, shape.vocab_size, (len(seq_lens),))
     positions = torch.tensor(seq_lens) - 1
-    assert model.cpu_decoder is not None and model.cpu_decoder.takes(batch.meta)
+    assert model.cpu_decoder is not None and model.cpu_decoder.takes(batch.meta, model.backend)
 
     hidden = model(input_ids, positions, caches, batch.meta)
     expected = layer_by_layer(model, input_ids, positions, expected_caches, batch.meta)
@@ -146,11 +146,15 @@ def test_steps_it_does_not_take() -> None:
     kernels = with_c_gemm(probe_kernels(torch.device("cpu")), torch.float32, max_rows=4)
     model = small_model(small_shape(64, False), torch.float32, kernels)
     decoder = model.cpu_decoder
-    assert decoder is not None and decoder.takes(decode_meta(4))
-    assert not decoder.takes(decode_meta(5))  # more rows than the C GEMM is chosen for
-    assert not decoder.takes(scattered_batch([8, 8], [1, 3], 16, seed=0).meta)  # a prefill
+    assert decoder is not None and decoder.takes(decode_meta(4), model.backend)
+    assert not decoder.takes(
+        decode_meta(5), model.backend
+    )  # more rows than the C GEMM is chosen for
+    assert not decoder.takes(
+        scattered_batch([8, 8], [1, 3], 16, seed=0).meta, model.backend
+    )  # a prefill
     model.backend = cpu_backend_with(kernels)  # another backend: its kernels, layer by layer
-    assert not decoder.takes(decode_meta(4))
+    assert not decoder.takes(decode_meta(4), model.backend)
 
 
 def test_models_it_does_not_run() -> None:
@@ -187,8 +191,8 @@ class Checked:
         self.model, self.decoder = model, model.cpu_decoder
         self.rows: list[int] = []
 
-    def takes(self, meta: AttentionMetadata) -> bool:
-        return self.decoder.takes(meta)
+    def takes(self, meta: AttentionMetadata, backend: Backend) -> bool:
+        return self.decoder.takes(meta, backend)
 
     def __call__(
         self,

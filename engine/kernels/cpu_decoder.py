@@ -26,6 +26,7 @@ from llmpool.engine.models import int4
 from llmpool.engine.models.linear import Linear
 
 if TYPE_CHECKING:
+    from llmpool.engine.attention import Backend
     from llmpool.engine.attention.metadata import AttentionMetadata
     from llmpool.engine.kernels.capabilities import KernelCapabilities
     from llmpool.engine.models.llama import LlamaForCausalLM
@@ -132,7 +133,9 @@ class CpuDecoder:
 
     def __init__(self, model: LlamaForCausalLM, runs: Projections) -> None:
         shape = model.shape
-        self.model = model
+        # The model's parts, not the model: it holds this decoder, and a cycle would keep a
+        # dropped engine's weights until a full collection.
+        self.layers, self.embed_tokens = model.layers, model.embed_tokens
         self.backend = model.backend
         self.dtype = model.norm.dtype
         self.max_rows = runs.max_rows
@@ -173,20 +176,21 @@ class CpuDecoder:
         self._caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._layers = (Layer * shape.num_layers)()
 
-    def takes(self, meta: AttentionMetadata) -> bool:
-        """Whether a step of ``meta`` (without adapter rows) runs here: decodes only, at most
-        ``max_rows`` of them, on the backend this decoder was built with."""
+    def takes(self, meta: AttentionMetadata, backend: Backend) -> bool:
+        """Whether a step of ``meta`` (without adapter rows) on the model's current ``backend``
+        runs here: decodes only, at most ``max_rows`` of them, on the backend this decoder was
+        built with."""
         return (
             meta.max_query_len == 1
             and meta.num_tokens == meta.num_seqs
             and 0 < meta.num_tokens <= self.max_rows
-            and self.model.backend is self.backend
+            and backend is self.backend
         )
 
     def _layers_for(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
         if kv_caches is not self._caches:
             for layer, spec, (key_cache, value_cache) in zip(
-                self.model.layers, self._layers, kv_caches, strict=True
+                self.layers, self._layers, kv_caches, strict=True
             ):
                 if key_cache.dtype != self.dtype or (layer.k_scale, layer.v_scale) != (1.0, 1.0):
                     raise ValueError("the C decoder reads unscaled caches of the model's dtype")
@@ -213,7 +217,7 @@ class CpuDecoder:
     ) -> torch.Tensor:
         """The final norm's output ``[rows, hidden]`` for a step :meth:`takes`."""
         layers = self._layers_for(kv_caches)
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
         residual = torch.empty_like(hidden)
         scratch = torch.empty(meta.num_tokens * self.scratch_per_row, dtype=self.dtype)
         floats = torch.empty(meta.num_tokens * self.floats_per_row)

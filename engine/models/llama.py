@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden]`` after the final norm; ``lora`` groups the
         rows that run with an adapter (None: all run the base model)."""
         decoder = self.cpu_decoder
-        if decoder is not None and lora is None and decoder.takes(meta):
+        if decoder is not None and lora is None and decoder.takes(meta, self.backend):
             return decoder(input_ids, positions, kv_caches, meta)
         with step_attention(self.backend, meta), step_lora(self.backend, self.lora_stacks, lora):
             return self.decoder(input_ids, positions, kv_caches)
