@@ -19,6 +19,7 @@ from llmpool.engine.attention import Backend, check_kv_cache_dtype, select_backe
 from llmpool.engine.background_compile import BackgroundCompile
 from llmpool.engine.compile_cache import CompileCache, CompileReport, cache_root, environment_fields
 from llmpool.engine.config import EngineConfig
+from llmpool.engine.kernels import cpu_decoder
 from llmpool.engine.kernels.capabilities import KernelCapabilities
 from llmpool.engine.kernels.capabilities import probe_kernels as probe_capabilities
 from llmpool.engine.kv_cache import (
@@ -185,7 +186,8 @@ def load_model(
     quantize(model, config.quantization, kernels)
     model = model.to(device=device, dtype=dtype).eval()
     model.cos_sin_cache = model.cos_sin_cache.to(device)
-    model.use_kernels(kernels)  # the weights are where they stay: the C decoder holds them
+    # After the cast: the weights are where they stay, and the C decoder holds their addresses.
+    model.cpu_decoder = cpu_decoder.for_model(model, kernels)
     return model, model_shape_for_capacity(shape, num_parameters)
 
 

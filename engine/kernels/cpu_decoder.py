@@ -128,7 +128,7 @@ class CpuDecoder:
     """The decoder layers and final norm of ``model`` for decode steps, in ``cpu_decoder.c``.
 
     It holds the weights' addresses: built for the model as it runs (loaded, cast), and rebuilt
-    by ``LlamaForCausalLM.use_kernels``. The KV caches' addresses are read again whenever a
+    by ``LlamaForCausalLM.use_kernels`` and at load (``engine_builder.load_model``). The KV caches' addresses are read again whenever a
     forward passes another list of caches."""
 
     def __init__(self, model: LlamaForCausalLM, runs: Projections) -> None:
@@ -220,7 +220,7 @@ class CpuDecoder:
         hidden = self.embed_tokens(input_ids)
         residual = torch.empty_like(hidden)
         scratch = torch.empty(meta.num_tokens * self.scratch_per_row, dtype=self.dtype)
-        floats = torch.empty(meta.num_tokens * self.floats_per_row)
+        floats = torch.empty(meta.num_tokens * self.floats_per_row) if self.floats_per_row else None
         # Every operand is held by a name for the whole call: ctypes gets bare addresses.
         positions = positions.to(torch.int64)
         slots = meta.slot_mapping.to(torch.int64)
@@ -232,7 +232,7 @@ class CpuDecoder:
             hidden.data_ptr(),
             residual.data_ptr(),
             scratch.data_ptr(),
-            floats.data_ptr() if self.floats_per_row else None,
+            None if floats is None else floats.data_ptr(),
             positions.data_ptr(),
             slots.data_ptr(),
             block_tables.data_ptr(),

@@ -230,8 +230,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_kernels(self, kernels: KernelCapabilities) -> None:
         """Switch every layer to ``kernels``, for eager forwards (a compiled decoder keeps what
-        it traced), and decode steps to the C decoder where it runs: the engine's model, loaded
-        and cast, takes its own; benchmarks measure one choice against another in one process."""
+        it traced), and decode steps to the C decoder where it runs: benchmarks measure one
+        choice against another in one process."""
         self.gemm = kernels.gemm
         for module in self.modules():
             if isinstance(module, Linear | Int8Linear | Int4Linear):

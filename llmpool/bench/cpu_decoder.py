@@ -1,10 +1,10 @@
 """Decode steps in one C call (``cpu_decoder.c``) against the same kernels called layer by layer.
 
 One engine (``--dtype``, default auto: bfloat16 where the CPU has AVX-512 BF16; and
-``--quantization``) whose decode steps run in its C decoder or, with ``model.cpu_decoder`` unset,
-layer by layer through torch and ctypes; rounds of steps alternate between the two at each concurrency (decodes only; the C
-decoder takes up to as many rows as the engine's C GEMM is chosen for: 16 by default, 2 in
-int4).
+``--quantization``) whose decode steps run in its C decoder or, with ``model.cpu_decoder``
+unset, layer by layer through torch and ctypes; rounds of steps alternate between the two at
+each concurrency (decodes only; the C decoder takes up to as many rows as the engine's C GEMM is
+chosen for: 16 by default, 2 in int4).
 
     python benchmarks/cpu_decoder.py --concurrency 1 4 16
     python benchmarks/cpu_decoder.py --quantization int4 --concurrency 1 2 --name cpu_decoder_int4

@@ -2,9 +2,9 @@
 
 - Per op: ``fused_add_rms_norm`` and ``rotary_embedding`` at SmolLM2's sizes (hidden 576, 9
   query and 3 KV heads of 64) and 1-512 rows, kernel and reference alternating.
-- The whole decode step, layer by layer: one engine (``--dtype``, default auto) whose model's backend is switched
-  between the cpu backend with the kernel and the same backend with the reference ops, rounds of
-  steps alternating between the two.
+- The whole decode step, layer by layer: one engine (``--dtype``, default auto) whose model's
+  backend is switched between the cpu backend with the kernel and the same backend with the
+  reference ops, rounds of steps alternating between the two.
 
     python benchmarks/layer_ops.py --concurrency 1 16 64
 
