@@ -19,6 +19,7 @@ from llmpool.engine.attention import Backend, check_kv_cache_dtype, select_backe
 from llmpool.engine.background_compile import BackgroundCompile
 from llmpool.engine.compile_cache import CompileCache, CompileReport, cache_root, environment_fields
 from llmpool.engine.config import EngineConfig
+from llmpool.engine.huge_pages import move_to_huge_pages
 from llmpool.engine.kernels import cpu_decoder
 from llmpool.engine.kernels.capabilities import KernelCapabilities
 from llmpool.engine.kernels.capabilities import probe_kernels as probe_capabilities
@@ -177,8 +178,9 @@ def load_model(
     dtype: torch.dtype,
     kernels: KernelCapabilities,
 ) -> tuple[LlamaForCausalLM, capacity.ModelShape]:
-    """The model's weights loaded, quantized and cast, on the device; and its shape as
-    llmpool.capacity sizes memory for it (parameters counted before quantization)."""
+    """The model's weights loaded, quantized and cast, on the device (on the CPU, in huge
+    pages); and its shape as llmpool.capacity sizes memory for it (parameters counted before
+    quantization)."""
     model = LlamaForCausalLM(shape, backend, max_positions=max_positions, gemm=kernels.gemm)
     load_weights(model, folder)
     num_parameters = sum(p.numel() for p in model.parameters())
@@ -186,7 +188,9 @@ def load_model(
     quantize(model, config.quantization, kernels)
     model = model.to(device=device, dtype=dtype).eval()
     model.cos_sin_cache = model.cos_sin_cache.to(device)
-    # After the cast: the weights are where they stay, and the C decoder holds their addresses.
+    if device.type == "cpu":
+        move_to_huge_pages(model)
+    # Now the weights are where they stay, and the C decoder holds their addresses.
     model.cpu_decoder = cpu_decoder.for_model(model, kernels)
     return model, model_shape_for_capacity(shape, num_parameters)
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmpool.engine import huge_pages
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 
@@ -26,15 +28,17 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed ``(K, V)`` caches of ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Zeroed ``(K, V)`` caches of ``[num_blocks, block_size, num_kv_heads, head_dim]``; on the
+    CPU each in huge pages (``huge_pages.zeros``: a storage of its own, as a compiled graph
+    that writes them needs)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(num_layers)
-    ]
+
+    def zeros() -> torch.Tensor:
+        if device.type == "cpu":
+            return huge_pages.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return [(zeros(), zeros()) for _ in range(num_layers)]
 
 
 @dataclass(frozen=True)

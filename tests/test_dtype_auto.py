@@ -119,7 +119,8 @@ def test_fingerprint_says_the_dtype_and_why_outside_the_pin(
             kv_dtype_name=resolved.name,
             backend=SimpleNamespace(name="torch"),
             kernels=KernelCapabilities(gemm=gemm),
-            model=SimpleNamespace(cpu_decoder=None),
+            model=SimpleNamespace(cpu_decoder=None, parameters=list, buffers=list),
+            kv_caches=[],
         )
         return fingerprint.build_fingerprint(core, "m", None, None)  # type: ignore[arg-type]
 

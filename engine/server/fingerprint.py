@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from llmpool import __version__, pinning
-from llmpool.engine import model_source
+from llmpool.engine import huge_pages, model_source
 from llmpool.engine.engine_core import EngineCore
 
 
@@ -48,6 +49,13 @@ def build_fingerprint(
         "gemm": core.kernels.gemm.as_observed(),
         # Decode steps of up to this many rows run in the C decoder (None: layer by layer).
         "cDecoderMaxRows": None if decoder is None else decoder.max_rows,
+        # How much of the CPU weights and KV cache the kernel backs with 2 MiB pages (None on
+        # a GPU; 0 where THP is off, and decode steps run slower).
+        "hugePages": huge_pages.observed(
+            [*core.model.parameters(), *core.model.buffers(), *itertools.chain(*core.kv_caches)]
+        )
+        if core.device.type == "cpu"
+        else None,
         "engineVersion": __version__,
     }
     return {"pinned": pinned, "observed": observed, "digest": pinning.pinned_digest(pinned)}

@@ -243,6 +243,9 @@ def test_fingerprint_matches_the_operator_digest(server) -> None:
     assert gemm["bfloat16UpcastMinRows"] is None
     # Decodes run in the C decoder exactly where their GEMMs run in a C kernel.
     assert observed["cDecoderMaxRows"] == gemm["float32KernelMaxRows"]
+    pages = observed["hugePages"]  # float32 weights and a KV cache of at most 128 MiB
+    assert 4 * 134e6 < pages["bytes"] <= 4 * 135e6 + 128 * 2**20
+    assert pages["hugePageBytes"] is not None
     assert observed["compile"] == {
         "enabled": False, "state": "off", "cache": "off", "key": None, "seconds": 0.0, "error": None,
     }  # fmt: skip
