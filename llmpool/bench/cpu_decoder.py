@@ -14,27 +14,14 @@ Writes ``benchmarks/results/cpu_decoder.json`` with the CPU model.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
-from llmpool.bench.steps import alternate_steps
-from llmpool.engine import LLM
+from llmpool.bench.steps import alternate_steps, engine_for_alternating
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--name", default="cpu_decoder")
-    args = parser.parse_args()
-    llm = build_in_ended_thread(
-        lambda: LLM(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False)
-    )
+    args, llm = engine_for_alternating(__doc__.split("\n")[0], "cpu_decoder", [1, 4, 16])
     model = llm.engine.model
     decoder = model.cpu_decoder
     if decoder is None:

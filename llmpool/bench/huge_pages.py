@@ -14,15 +14,13 @@ Writes ``benchmarks/results/huge_pages.json`` with the CPU model and the THP mod
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
-from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
-from llmpool.bench.steps import alternate_steps
-from llmpool.engine import LLM, huge_pages
+from llmpool.bench.steps import alternate_steps, engine_for_alternating
+from llmpool.engine import huge_pages
 from llmpool.engine.kernels import cpu_decoder
 from llmpool.engine.models.llama import LlamaForCausalLM
 
@@ -44,16 +42,7 @@ def place(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--name", default="huge_pages")
-    args = parser.parse_args()
-    llm = build_in_ended_thread(
-        lambda: LLM(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False)
-    )
+    args, llm = engine_for_alternating(__doc__.split("\n")[0], "huge_pages", [1, 4, 16, 64])
     core = llm.engine
     model = core.model
     huge = {name: tensor.data for name, tensor in weights(model).items()}

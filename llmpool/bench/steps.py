@@ -7,6 +7,7 @@ from outside the run falls on every way alike; each reports its median.
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from llmpool.bench.launch import build_in_ended_thread
 from llmpool.engine import LLM, SamplingParams
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.kernels.capabilities import KernelCapabilities
@@ -82,6 +84,25 @@ def alternating_step_ms(
                 step()
             times[name].append((time.perf_counter() - started) / steps * 1e3)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def engine_for_alternating(
+    description: str, name: str, concurrency: list[int]
+) -> tuple[argparse.Namespace, LLM]:
+    """The command line of a benchmark that alternates ways of stepping one engine
+    (``--concurrency``, ``--dtype``, ``--quantization``, ``--rounds``, ``--name``), and the
+    engine it names, built in a thread that has ended (``launch.build_in_ended_thread``)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--concurrency", nargs="+", type=int, default=concurrency)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--name", default=name)
+    args = parser.parse_args()
+    llm = build_in_ended_thread(
+        lambda: LLM(dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False)
+    )
+    return args, llm
 
 
 def alternate_steps(
