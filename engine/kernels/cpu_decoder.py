@@ -127,9 +127,10 @@ def _operands(module: nn.Module) -> list[torch.Tensor | None]:
 class CpuDecoder:
     """The decoder layers and final norm of ``model`` for decode steps, in ``cpu_decoder.c``.
 
-    It holds the weights' addresses: built for the model as it runs (loaded, cast), and rebuilt
-    by ``LlamaForCausalLM.use_kernels`` and at load (``engine_builder.load_model``). The KV caches' addresses are read again whenever a
-    forward passes another list of caches."""
+    It holds the weights' addresses: built for the model as it runs (loaded, cast, moved into
+    huge pages) by ``engine_builder.load_model``, and rebuilt by
+    ``LlamaForCausalLM.use_kernels``. The KV caches' addresses are read again whenever a forward
+    passes another list of caches."""
 
     def __init__(self, model: LlamaForCausalLM, runs: Projections) -> None:
         shape = model.shape
