@@ -4,9 +4,11 @@ Two measurements, each alternating between the ways in one process:
 
 - a decode step's GEMMs alone (every layer's four projections and the LM head of the built-in
   model, 269 MB of bfloat16 weights, so they stream from memory as in a step) at ``--rows``
-  rows, three ways: torch's bfloat16 GEMM (oneDNN), the C kernel, and the float32 GEMM on
-  upcast operands (what ``linear`` runs for prefill chunks past the kernel's rows); with the
-  weight bandwidth and GFLOP/s of each and the largest difference from the float32 product;
+  rows: torch's bfloat16 GEMM (oneDNN), the C kernel as built for this CPU, the float32 GEMM on
+  upcast operands (what ``linear`` runs for prefill chunks past the kernel's rows) and, on CPUs
+  with AVX-512 BF16, the kernel's widening build (``widening``: the float32 path that CPUs
+  without it run); with the weight bandwidth and GFLOP/s of each and the largest difference
+  from the float32 product;
 - the engine's whole eager bfloat16 step with ``--concurrency`` requests of 40-700-token prompts
   decoding, rounds of steps alternating between the kernel up to the rows its start-up probe
   chose (``probed``) and torch throughout (the choice is one engine: ``kernel_up_to``).
@@ -30,24 +32,36 @@ from llmpool.bench.results import RESULTS, script_command, write_json
 from llmpool.bench.steps import alternate_steps, gemm_ms, gemm_weights, layer_by_layer
 from llmpool.engine import LLM
 from llmpool.engine.kernels import bf16_gemm
+from llmpool.engine.kernels.c_loader import avx512_only
 
 
 def upcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)
 
 
-WAYS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+Way = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+WAYS: dict[str, Way] = {
     "torch": torch.nn.functional.linear,
     "kernel": bf16_gemm.bf16_linear,
     "upcast": upcast,
 }
 
 
+def with_widening_build(ways: dict[str, Way]) -> dict[str, Way]:
+    """``ways`` and, where this CPU's build uses AVX-512 BF16, the widening build too."""
+    arch = bf16_gemm.KERNEL.arch()
+    if arch is None or "-mavx512bf16" not in arch:
+        return ways
+    widening = bf16_gemm.KERNEL.build(avx512_only() or [])
+    assert widening is not None
+    return {**ways, "widening": lambda x, weight: bf16_gemm.bf16_linear(x, weight, widening)}
+
+
 def step_gemms(
     weights: list[torch.Tensor],
     rows: int,
     rounds: int,
-    ways: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = WAYS,
+    ways: dict[str, Way] = WAYS,
 ) -> dict[str, Any]:
     """A step's GEMMs at ``rows`` rows of the weights' dtype, each way of ``ways`` (``kernel``
     among them) timed; the ratios are each other way's time over the kernel's."""
@@ -94,9 +108,10 @@ def main() -> None:
     weights = [w.detach() for w in gemm_weights(llm.engine.model)]
     probed = llm.engine.kernels.gemm.bfloat16_kernel_max_rows
     print(f"the start-up probe runs GEMMs of up to {probed} rows in the kernel", flush=True)
+    ways = with_widening_build(WAYS)
     gemms = []
     for rows in args.rows:
-        gemms.append(step_gemms(weights, rows, args.rounds))
+        gemms.append(step_gemms(weights, rows, args.rounds, ways))
         print(f"gemms: {gemms[-1]}", flush=True)
     report = {
         "threads": torch.get_num_threads(),
