@@ -5,9 +5,9 @@
  * float32 partial sums over 32-element chunks of K, added together at the end, in one of two ways:
  *
  * - with AVX-512 BF16 (dp_linear): vdpbf16ps adds the products of 16 bfloat16 pairs to 16 float32
- *   lanes, on x and W as they are. On a 2-core Zen 4 EPYC that is 64 flops an instruction, twice
- *   the FMA path, and a step's GEMMs of SmolLM2 ran 1.6x as fast at 16 rows (286 against 177
- *   GFLOP/s) and 1.9x at 64, ahead of oneDNN's 154 and 293 (benchmarks/bf16_gemm.py);
+ *   lanes, on x and W as they are: 64 flops an instruction, twice an FMA's. On a 2-core Zen 4
+ *   EPYC a step's GEMMs of SmolLM2 ran 1.18x as fast as the FMA path at 1 row, 1.72x at 16 (273
+ *   against 158 GFLOP/s; oneDNN 131) and 2.05x at 64 (benchmarks/bf16_gemm.py);
  * - otherwise the weight is widened in registers: a bfloat16 is the high half of a float32, so one
  *   64-byte load of 32 weights gives the even-indexed ones by a 16-bit left shift and the odd-
  *   indexed ones by masking the low half, and x is split once per call into float32 rows of its
@@ -99,9 +99,9 @@ static void dp_tile(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t r
 }
 
 /* Up to FEW_ROWS rows of x, all of it, the weight rows read one after the other: a single stream
- * that the hardware prefetcher follows (on the Zen 4 EPYC, a step's GEMMs at 2 to 4 rows took 12-14 ms this way, 14-17 in dp_tile's
- * four streams; from 6 rows the tiles were the faster). `rows` is a constant where
- * dp_few_rows_of() inlines this. */
+ * that the hardware prefetcher follows (on the Zen 4 EPYC, a one-off script timing both ways on
+ * a step's GEMMs: 11-14 ms at 2 to 4 rows this way, 14-17 in dp_tile's four streams; from 6 rows
+ * the tiles were the faster). `rows` is a constant where dp_few_rows_of() inlines this. */
 static inline __attribute__((always_inline)) void dp_few_rows(const uint16_t *x, const uint16_t *w, uint16_t *y,
                                                               const int rows, int64_t col, int64_t cols,
                                                               int64_t N, int64_t K) {
@@ -233,7 +233,6 @@ static void few_rows_of(const float *xs, const uint16_t *w, uint16_t *y, int64_t
     else
         few_rows(xs, w, y, 2, col, cols, N, K, padded_k);
 }
-
 
 /* bf16_linear() with the weight widened to float32. */
 static void widened_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
