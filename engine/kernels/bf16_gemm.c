@@ -66,6 +66,14 @@ static inline __m128i to_bf16(__m128 value) {
         const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);                             \
         __VA_ARGS__                                                                            \
     }
+/* A tile's 4 weight rows from col and 4 rows of xs (of `type`, `stride` elements apart) from row.
+ * Rows past the end of x or W alias the last real one: computed, never stored. */
+#define TILE_ROWS(type, xs, stride)                                                            \
+    const uint16_t *w0 = w + col * K, *w1 = w + (col + (cols > 1)) * K;                        \
+    const uint16_t *w2 = w + (col + (cols > 2 ? 2 : 0)) * K, *w3 = w + (col + (cols > 3 ? 3 : 0)) * K; \
+    const __mmask8 col_mask = (__mmask8)((1u << cols) - 1);                                    \
+    const type *x0 = xs + row * stride, *x1 = xs + (row + (rows > 1)) * stride;                \
+    const type *x2 = xs + (row + (rows > 2 ? 2 : 0)) * stride, *x3 = xs + (row + (rows > 3 ? 3 : 0)) * stride;
 
 #ifdef __AVX512BF16__
 #define FEW_ROWS 4 /* x rows up to which dp_few_rows() streams each weight row on its own */
@@ -84,14 +92,10 @@ static inline __m128i to_bf16(__m128 value) {
     }
 
 /* Up to ROWS rows of x from row against up to COLS weight rows from col, with vdpbf16ps on x as it
- * is. Rows past the end of x or W alias the last real one: computed, never stored. */
+ * is. */
 static void dp_tile(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t row, int64_t rows,
                     int64_t col, int64_t cols, int64_t N, int64_t K) {
-    const uint16_t *w0 = w + col * K, *w1 = w + (col + (cols > 1)) * K;
-    const uint16_t *w2 = w + (col + (cols > 2 ? 2 : 0)) * K, *w3 = w + (col + (cols > 3 ? 3 : 0)) * K;
-    const __mmask8 col_mask = (__mmask8)((1u << cols) - 1);
-    const uint16_t *x0 = x + row * K, *x1 = x + (row + (rows > 1)) * K;
-    const uint16_t *x2 = x + (row + (rows > 2 ? 2 : 0)) * K, *x3 = x + (row + (rows > 3 ? 3 : 0)) * K;
+    TILE_ROWS(uint16_t, x, K)
     ZERO(0) ZERO(1) ZERO(2) ZERO(3)
     OVER_K(DP_LOAD_WEIGHT(0) DP_LOAD_WEIGHT(1) DP_LOAD_WEIGHT(2) DP_LOAD_WEIGHT(3)
            DP_ACCUMULATE(0) DP_ACCUMULATE(1) DP_ACCUMULATE(2) DP_ACCUMULATE(3))
@@ -171,21 +175,13 @@ static void dp_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t
         acc##i##2 = _mm512_fmadd_ps(odd2, x_odd, acc##i##2);                                   \
         acc##i##3 = _mm512_fmadd_ps(odd3, x_odd, acc##i##3);                                   \
     }
-/* Rows past the end of x or W alias the last real one: computed, never stored. */
-#define COMMON                                                                                 \
-    const int64_t half = padded_k / 2;                                                         \
-    const uint16_t *w0 = w + col * K, *w1 = w + (col + (cols > 1)) * K;                        \
-    const uint16_t *w2 = w + (col + (cols > 2 ? 2 : 0)) * K, *w3 = w + (col + (cols > 3 ? 3 : 0)) * K; \
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);                                  \
-    const __mmask8 col_mask = (__mmask8)((1u << cols) - 1);
-
 /* Up to ROWS rows of x (split into even and odd halves, padded_k floats a row) against up to
  * COLS weight rows from col. */
 static void tile(const float *xs, const uint16_t *w, uint16_t *y, int64_t row, int64_t rows, int64_t col,
                  int64_t cols, int64_t N, int64_t K, int64_t padded_k) {
-    COMMON
-    const float *x0 = xs + row * padded_k, *x1 = xs + (row + (rows > 1)) * padded_k;
-    const float *x2 = xs + (row + (rows > 2 ? 2 : 0)) * padded_k, *x3 = xs + (row + (rows > 3 ? 3 : 0)) * padded_k;
+    const int64_t half = padded_k / 2;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    TILE_ROWS(float, xs, padded_k)
     ZERO(0) ZERO(1) ZERO(2) ZERO(3)
     OVER_K(LOAD_WEIGHT(0) LOAD_WEIGHT(1) LOAD_WEIGHT(2) LOAD_WEIGHT(3)
            ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2) ACCUMULATE(3))
