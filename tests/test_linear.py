@@ -3,8 +3,6 @@ summation order."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 
 import pytest
@@ -14,7 +12,6 @@ from torch import nn
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.kernels import avx2_gemm, bf16_gemm
-from llmpool.engine.kernels.c_loader import AVX512_BUILD
 from llmpool.engine.kernels.capabilities import bfloat16_kernel
 from llmpool.engine.models import linear
 from llmpool.engine.models.linear import GemmChoice
@@ -76,14 +73,6 @@ def test_bfloat16_from_the_threshold_runs_in_float32_and_is_no_less_exact(rows: 
     assert upcast_error <= native_error * 1.05, (upcast_error, native_error)
 
 
-@functools.cache
-def widening_build() -> ctypes.CDLL:
-    """``bf16_gemm.c`` built without AVX-512 BF16: the float32 path of CPUs that lack it."""
-    library = bf16_gemm.KERNEL.build(AVX512_BUILD)
-    assert library is not None
-    return library
-
-
 @needs_kernel
 @pytest.mark.parametrize("build", ["this CPU's", "widening"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 64, 256])
@@ -95,7 +84,7 @@ def test_the_kernel_is_the_float32_product_rounded_to_bfloat16(
     tiles with remainders, outputs past a multiple of 4, inputs of whole 32-element chunks, a
     tail, and a tail alone; in both builds (the same one on CPUs without AVX-512 BF16)."""
     x, weight, _ = operands(rows, torch.bfloat16, inputs, outputs)
-    library = widening_build() if build == "widening" else None
+    library = bf16_gemm.widening_build() if build == "widening" else None
     out = bf16_gemm.bf16_linear(x, weight, library)
     assert out.dtype == torch.bfloat16
     assert out.shape == (rows, outputs)

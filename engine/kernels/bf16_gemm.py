@@ -12,6 +12,7 @@ GEMMs of SmolLM2: 2.1x oneDNN at 16 rows, 1.45x at 64), else with the weight wid
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -32,11 +33,22 @@ KERNEL = CKernel(
 )
 
 
+@functools.cache
+def widening_build() -> ctypes.CDLL | None:
+    """The kernel without AVX-512 BF16 (the float32 path of AVX-512 CPUs that lack it), where
+    this CPU's build has it, so that tests and benchmarks check and time that path here too;
+    None where this CPU's build is that one already, or there is none."""
+    widening = avx512_only()
+    if widening is None or KERNEL.arch() == widening:
+        return None
+    return KERNEL.build(widening)
+
+
 def bf16_linear(
     x: torch.Tensor, weight: torch.Tensor, library: ctypes.CDLL | None = None
 ) -> torch.Tensor:
     """``x @ weight.T`` for 2-D bfloat16 CPU tensors; ``library``: another build of the kernel
-    than this CPU's (``KERNEL.build``), as the tests run the widening one on CPUs with BF16."""
+    than this CPU's (``widening_build``)."""
     library = library or KERNEL.built()
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         raise ValueError(f"bf16_linear multiplies bfloat16, not {x.dtype} by {weight.dtype}")

@@ -32,7 +32,6 @@ from llmpool.bench.results import RESULTS, script_command, write_json
 from llmpool.bench.steps import alternate_steps, gemm_ms, gemm_weights, layer_by_layer
 from llmpool.engine import LLM
 from llmpool.engine.kernels import bf16_gemm
-from llmpool.engine.kernels.c_loader import avx512_only
 
 
 def upcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -49,11 +48,9 @@ WAYS: dict[str, Way] = {
 
 def with_widening_build(ways: dict[str, Way]) -> dict[str, Way]:
     """``ways`` and, where this CPU's build uses AVX-512 BF16, the widening build too."""
-    arch = bf16_gemm.KERNEL.arch()
-    if arch is None or "-mavx512bf16" not in arch:
+    widening = bf16_gemm.widening_build()
+    if widening is None:
         return ways
-    widening = bf16_gemm.KERNEL.build(avx512_only() or [])
-    assert widening is not None
     return {**ways, "widening": lambda x, weight: bf16_gemm.bf16_linear(x, weight, widening)}
 
 
