@@ -1,5 +1,6 @@
 """The torch and cpu paged-attention backends against dense causal attention, one sequence at a
-time (the cpu backend's decodes run ``cpu_decode.c``, its other queries the torch path)."""
+time (the cpu backend's decodes run ``cpu_decode.c``, its other queries ``cpu_prefill.c`` for
+head_dim 64 and 128 where it is built, the torch path otherwise)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,16 @@ from llmpool.engine.attention import (
     check_kv_cache_dtype,
     select_backend,
 )
+from llmpool.engine.attention import cpu_backend
 from llmpool.engine.attention.torch_backend import plan
-from llmpool.engine.kernels import c_loader, cpu_decode, cpu_decoder, cpu_layer_ops, cpu_lora
+from llmpool.engine.kernels import (
+    c_loader,
+    cpu_decode,
+    cpu_decoder,
+    cpu_layer_ops,
+    cpu_lora,
+    cpu_prefill,
+)
 from llmpool.engine.kernels.capabilities import KernelCapabilities, probe_kernels
 from llmpool.engine.kv_cache import FP8_DTYPE, LayerKVCache
 from tests.paged_batches import scattered_batch
@@ -105,6 +114,41 @@ def test_a_step_of_decodes_only(backend: Backend, dtype: torch.dtype, head_dim: 
     _check(seq_lens, [1] * len(seq_lens), 16, 8, backend, dtype, head_dim)  # 16 heads per KV head
 
 
+@pytest.mark.skipif(not KERNELS.cpu_prefill, reason="cpu_prefill.c needs AVX2 or AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 8])
+def test_prompts_and_prefill_chunks_run_the_prefill_kernel(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, head_dim: int, queries_per_kv: int
+) -> None:
+    """Query tiles (16 positions) and key tiles (64 or 32 keys) cut anywhere: whole prompts, a
+    chunk after 255 cached tokens, 2-token tails, beside decodes; the torch path is not taken."""
+
+    def torch_path(*args: object) -> torch.Tensor:
+        raise AssertionError("the torch path attended a query the prefill kernel takes")
+
+    monkeypatch.setattr(cpu_backend.torch_backend, "paged_attention", torch_path)
+    seq_lens = [700, 45, 17, 300, 64, 65, 2, 129]
+    query_lens = [700, 45, 17, 45, 64, 1, 2, 33]
+    for block_size in (1, 16):
+        _check(seq_lens, query_lens, block_size, queries_per_kv, CPU, dtype, head_dim)
+
+
+@pytest.mark.skipif(
+    c_loader.arch_flags() != c_loader.AVX512_BUILD, reason="the AVX2 build runs on AVX-512 CPUs"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_avx2_prefill_kernel_matches_too(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, head_dim: int
+) -> None:
+    """The build an AVX2 CPU runs (8 lanes, 32-key tiles, fewer rows a pass), here."""
+    avx2 = cpu_prefill.KERNEL.build(c_loader.AVX2_BUILD)
+    assert avx2 is not None
+    monkeypatch.setattr(cpu_prefill.KERNEL, "library", lambda: avx2)
+    _check([700, 45, 129, 3], [700, 45, 33, 1], 16, 3, CPU, dtype, head_dim)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_portable_kernel_matches_too(
@@ -130,6 +174,7 @@ def test_auto_picks_the_cpu_backend_for_its_cache_dtypes(monkeypatch: pytest.Mon
     monkeypatch.setattr(c_loader, "_compiler", lambda: None)
     without_compiler = probed_anew(monkeypatch)
     assert not without_compiler.cpu_decode and not without_compiler.cpu_layer_ops
+    assert not without_compiler.cpu_prefill
     assert not without_compiler.cpu_decoder
     assert select_backend(cpu, "auto", torch.float32, kernels=without_compiler).name == "torch"
     with pytest.raises(ValueError, match="C compiler"):
@@ -138,7 +183,13 @@ def test_auto_picks_the_cpu_backend_for_its_cache_dtypes(monkeypatch: pytest.Mon
 
 def probed_anew(monkeypatch: pytest.MonkeyPatch) -> KernelCapabilities:
     """The capabilities probed again with the C kernels rebuilt (each kept as it was after)."""
-    for kernel in (cpu_decode.KERNEL, cpu_lora.KERNEL, cpu_layer_ops.KERNEL, cpu_decoder.KERNEL):
+    for kernel in (
+        cpu_decode.KERNEL,
+        cpu_prefill.KERNEL,
+        cpu_lora.KERNEL,
+        cpu_layer_ops.KERNEL,
+        cpu_decoder.KERNEL,
+    ):
         monkeypatch.setattr(kernel, "_library", None)
         monkeypatch.setattr(kernel, "_tried", False)
     return probe_kernels(torch.device("cpu"))
@@ -165,13 +216,19 @@ def test_plan_cuts_context_groups_and_keeps_every_query_once() -> None:
     ),
     block_size=st.sampled_from([1, 4, 16]),
     queries_per_kv=st.sampled_from([1, 3]),
+    head_dim=st.sampled_from([HEAD_DIM, 64]),
 )
 def test_matches_dense_attention(
-    backend: Backend, sequences: list[tuple[int, int]], block_size: int, queries_per_kv: int
+    backend: Backend,
+    sequences: list[tuple[int, int]],
+    block_size: int,
+    queries_per_kv: int,
+    head_dim: int,
 ) -> None:
+    """head_dim 64 runs the cpu backend's C kernels, 16 its decode kernel and the torch path."""
     seq_lens = [seq_len for seq_len, _ in sequences]
     query_lens = [query_len for _, query_len in sequences]
-    _check(seq_lens, query_lens, block_size, queries_per_kv, backend)
+    _check(seq_lens, query_lens, block_size, queries_per_kv, backend, head_dim=head_dim)
 
 
 def test_a_kernel_that_cannot_be_loaded_leaves_the_torch_backend(

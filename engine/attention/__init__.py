@@ -61,11 +61,12 @@ TORCH = torch_backend_with(TORCH_GEMMS)
 
 def cpu_backend_with(kernels: KernelCapabilities) -> Backend:
     """The torch backend with decodes attended in ``cpu_decode.c`` and, where they are built,
-    adapter deltas added in ``cpu_lora.c`` and norms and rotary in ``cpu_layer_ops.c``."""
+    multi-token queries in ``cpu_prefill.c``, adapter deltas added in ``cpu_lora.c`` and norms
+    and rotary in ``cpu_layer_ops.c``."""
     backend = replace(
         torch_backend_with(kernels.gemm),
         name="cpu",
-        plan=cpu_backend.plan,
+        plan=functools.partial(cpu_backend.plan, prefill_kernel=kernels.cpu_prefill),
         paged_attention=cpu_backend.paged_attention,
     )
     if kernels.cpu_lora:

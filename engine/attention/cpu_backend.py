@@ -1,54 +1,80 @@
-"""The CPU backend: the torch backend, with decodes attended in place by ``cpu_decode.c``.
+"""The CPU backend: the torch backend, with attention read from the paged cache in place by C
+kernels: decodes by ``cpu_decode.c``, multi-token queries by ``cpu_prefill.c``.
 
 A decode (one query token) in the torch backend gathers its sequence's blocks into a padded
 copy, then attends over the copy: at 16 decodes of 40-700-token contexts that is ~35% of the
 step. Here every decode of the step is one call of a small C kernel that reads the blocks where
-they lie. Prefills and other multi-token queries keep the torch path.
+they lie. Prompts and prefill chunks likewise go to one call of ``cpu_prefill.c`` (tiled, with
+an online softmax): torch's flash attention behind a padded copy and a boolean mask attended them
+at half that kernel's speed (``benchmarks/prefill_attention.py``). Where the prefill kernel has no
+build (a CPU without AVX2, a head_dim other than 64 or 128), those queries keep the torch path.
 
-The kernel (``kernels/cpu_decode.py``) is built when the engine probes its kernels
-(``kernels.capabilities``). Without a compiler, or where the cache cannot hold code (a
-``noexec`` mount), the backend is unavailable and ``auto`` picks the torch backend (logged; the
-start-up line and ``/fingerprint`` name the backend in use).
+The kernels are built when the engine probes its kernels (``kernels.capabilities``). Without a
+compiler, or where the cache cannot hold code (a ``noexec`` mount), the backend is unavailable
+and ``auto`` picks the torch backend (logged; the start-up line and ``/fingerprint`` name the
+backend in use).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from llmpool.engine.attention import torch_backend
 from llmpool.engine.attention.metadata import AttentionMetadata
-from llmpool.engine.kernels import cpu_decode
+from llmpool.engine.kernels import cpu_decode, cpu_prefill
 from llmpool.engine.kv_cache import LayerKVCache
 
 
 @dataclass
 class CpuAttentionPlan:
-    """The torch plan for multi-token queries, and the step's decodes for the kernel."""
+    """The step's decodes for ``cpu_decode.c`` and its other sequences for ``cpu_prefill.c``,
+    or, where that kernel has no build for a layer's shape, for the torch path."""
 
-    torch_plan: torch_backend.TorchAttentionPlan
+    meta: AttentionMetadata
+    others: torch.Tensor  # [p] the sequences with more than one query token
     decode_rows: torch.Tensor  # [d] the decodes' query rows
     decode_block_tables: torch.Tensor  # [d, max_blocks] int64, contiguous
     decode_seq_lens: torch.Tensor  # [d] int64
+    prefill_kernel: bool  # cpu_prefill.c is built here
 
     @property
     def only_decodes(self) -> bool:
         """Every row is a decode, in order: no gather or scatter needed."""
-        return not self.torch_plan.groups
+        return not self.others.numel()
+
+    @cached_property
+    def torch_plan(self) -> torch_backend.TorchAttentionPlan:
+        """The torch path's plan of the other sequences, made the first time a layer needs it."""
+        return torch_backend.plan_sequences(self.meta, self.others)
+
+    @cached_property
+    def prefills(self) -> tuple[torch.Tensor, ...]:
+        """``cpu_prefill.paged_prefill``'s block tables, seq_lens, query starts and lengths."""
+        meta, others = self.meta, self.others
+        starts = meta.query_start_loc[others].to(torch.int64)
+        return (
+            meta.block_tables[others].to(torch.int64).contiguous(),
+            meta.seq_lens[others].to(torch.int64),
+            starts,
+            meta.query_start_loc[others + 1].to(torch.int64) - starts,
+        )
 
 
-def plan(meta: AttentionMetadata) -> CpuAttentionPlan:
+def plan(meta: AttentionMetadata, prefill_kernel: bool = False) -> CpuAttentionPlan:
     query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
     is_decode = query_lens == 1
     decodes = torch.nonzero(is_decode).flatten()
-    others = torch.nonzero(~is_decode).flatten()
     return CpuAttentionPlan(
-        torch_plan=torch_backend.plan_sequences(meta, others),
+        meta=meta,
+        others=torch.nonzero(~is_decode).flatten(),
         decode_rows=meta.query_start_loc[decodes].to(torch.int64),
         decode_block_tables=meta.block_tables[decodes].to(torch.int64).contiguous(),
         decode_seq_lens=meta.seq_lens[decodes].to(torch.int64),
+        prefill_kernel=prefill_kernel,
     )
 
 
@@ -80,6 +106,15 @@ def paged_attention(
     )
     if attention_plan.only_decodes:
         return decode(query.contiguous())
-    out = torch_backend.paged_attention(query, cache, attention_plan.torch_plan, scale)
+    if attention_plan.prefill_kernel and cpu_prefill.supports(query.dtype, query.shape[2]):
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        cpu_prefill.paged_prefill(
+            query, cache.key, cache.value, *attention_plan.prefills, out=out, scale=scale
+        )
+    else:
+        out = torch_backend.paged_attention(query, cache, attention_plan.torch_plan, scale)
+    if not attention_plan.decode_rows.numel():
+        return out
     decode_out = decode(query.index_select(0, attention_plan.decode_rows))
     return out.index_copy_(0, attention_plan.decode_rows, decode_out)

@@ -22,6 +22,7 @@ from llmpool.engine.kernels import (
     cpu_decoder,
     cpu_layer_ops,
     cpu_lora,
+    cpu_prefill,
     vnni_gemm,
 )
 from llmpool.engine.models import int4, linear
@@ -35,6 +36,7 @@ class KernelCapabilities:
     """Which kernels an engine runs; the defaults are torch alone (no C kernel built)."""
 
     cpu_decode: bool = False  # cpu_decode.c: the CPU attention backend's decodes
+    cpu_prefill: bool = False  # cpu_prefill.c: its multi-token queries (AVX2 or AVX-512)
     cpu_lora: bool = False  # cpu_lora.c: the CPU backend's adapter deltas
     cpu_layer_ops: bool = False  # cpu_layer_ops.c: the CPU backend's norms and rotary
     cpu_decoder: bool = False  # cpu_decoder.c: decode steps' layers in one call (those kernels')
@@ -58,6 +60,7 @@ def probe_kernels(
     on_cpu = device.type == "cpu"
     kernels = KernelCapabilities(
         cpu_decode=on_cpu and cpu_decode.KERNEL.available,
+        cpu_prefill=on_cpu and cpu_prefill.KERNEL.available,
         cpu_lora=on_cpu and cpu_lora.KERNEL.available,
         cpu_layer_ops=on_cpu and cpu_layer_ops.KERNEL.available,
         cpu_decoder=on_cpu and cpu_decoder.KERNEL.available,
