@@ -13,9 +13,9 @@ from llmpool.engine.attention import (
     TORCH,
     Backend,
     check_kv_cache_dtype,
+    cpu_backend,
     select_backend,
 )
-from llmpool.engine.attention import cpu_backend
 from llmpool.engine.attention.torch_backend import plan
 from llmpool.engine.kernels import (
     c_loader,

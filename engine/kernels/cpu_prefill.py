@@ -42,17 +42,19 @@ def paged_prefill(
     query_lens: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    library: ctypes.CDLL | None = None,
 ) -> None:
     """Causal attention of the query rows ``query_starts[s] .. + query_lens[s]`` of each sequence
     ``s`` (the last ``query_lens[s]`` of its ``seq_lens[s]`` positions) over contiguous caches
     ``[blocks, block_size, kv_heads, head_dim]`` through ``block_tables`` ``[seqs, max_blocks]``,
     written to the same rows of ``out``. ``query`` and ``out`` are contiguous
-    ``[tokens, heads, head_dim]`` of the caches' dtype; the index tensors int64, contiguous."""
+    ``[tokens, heads, head_dim]`` of the caches' dtype; the index tensors int64, contiguous.
+    ``library``: another build of the kernel (a benchmark's AVX2 one); default this CPU's."""
     num_seqs = query_lens.shape[0]
     if not num_seqs:
         return
     num_heads, head_dim = query.shape[1], query.shape[2]
-    getattr(KERNEL.built(), SYMBOLS[query.dtype, head_dim])(
+    getattr(library or KERNEL.built(), SYMBOLS[query.dtype, head_dim])(
         query.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),

@@ -30,12 +30,13 @@ from llmpool.bench.steps import (
     CONTEXT,
     ENDLESS,
     alternating_step_ms,
+    paged_batch,
     per_dtype,
     random_prompts,
     start_decoding,
 )
 from llmpool.engine import LLM
-from llmpool.engine.attention import TORCH, AttentionMetadata, Backend, select_backend
+from llmpool.engine.attention import TORCH, Backend, select_backend
 from llmpool.engine.kernels import cpu_decode
 from llmpool.engine.kernels.capabilities import probe_kernels
 from llmpool.engine.kv_cache import LayerKVCache
@@ -43,29 +44,10 @@ from llmpool.engine.kv_cache import LayerKVCache
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 9, 3, 64
 
 
-def decode_batch(concurrency: int, seed: int) -> AttentionMetadata:
-    rng = random.Random(seed)
-    lens = [rng.randint(*CONTEXT) for _ in range(concurrency)]
-    blocks = [-(-n // BLOCK_SIZE) for n in lens]
-    physical = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(seed))
-    tables = torch.zeros(concurrency, max(blocks), dtype=torch.int32)
-    start = 0
-    for row, count in enumerate(blocks):
-        tables[row, :count] = physical[start : start + count]
-        start += count
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(concurrency, dtype=torch.int64),
-        query_start_loc=torch.arange(concurrency + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=tables,
-        max_query_len=1,
-        max_seq_len=max(lens),
-        block_size=BLOCK_SIZE,
-    )
-
-
 def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
-    meta = decode_batch(concurrency, seed=concurrency)
+    rng = random.Random(concurrency)
+    lens = [rng.randint(*CONTEXT) for _ in range(concurrency)]
+    meta = paged_batch(lens, [1] * concurrency, BLOCK_SIZE, seed=concurrency)
     num_blocks = int(meta.block_tables.max()) + 1
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     cache = LayerKVCache(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))

@@ -18,6 +18,7 @@ import torch
 
 from llmpool.bench.launch import build_in_ended_thread
 from llmpool.engine import LLM, SamplingParams
+from llmpool.engine.attention import AttentionMetadata
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.kernels.capabilities import KernelCapabilities
 from llmpool.engine.models.llama import LlamaForCausalLM
@@ -52,6 +53,32 @@ def random_prompts(concurrency: int) -> list[list[int]]:
         [rng.randrange(100, 40_000) for _ in range(rng.randint(*CONTEXT))]
         for _ in range(concurrency)
     ]
+
+
+def paged_batch(
+    seq_lens: Sequence[int], query_lens: Sequence[int], block_size: int, seed: int
+) -> AttentionMetadata:
+    """One step's metadata for sequences of ``seq_lens`` tokens whose last ``query_lens`` are
+    this step's queries, their blocks a random permutation of one pool."""
+    blocks = [-(-n // block_size) for n in seq_lens]
+    physical = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(seed))
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(blocks):
+        tables[row, :count] = physical[start : start + count]
+        start += count
+    query_start_loc = [0]
+    for query_len in query_lens:
+        query_start_loc.append(query_start_loc[-1] + query_len)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(query_start_loc[-1], dtype=torch.int64),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
 
 
 def start_decoding(
