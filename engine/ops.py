@@ -1,4 +1,5 @@
-"""Reference torch implementations of the small fused ops of a Llama layer (RMSNorm, rotary)."""
+"""Reference torch implementations of the small fused ops of a Llama layer (RMSNorm, rotary,
+SiLU-and-mul)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated_half * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, ``gate`` and ``up`` the two halves of the last dimension (the fused
+    gate/up projection's output)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,6 +1,6 @@
-"""``cpu_layer_ops.c`` (the CPU backend's norms and rotary) against the torch reference,
-``engine/ops.py``: rotary bit for bit, the norms bit for bit but where the variance's summation
-order moves a last bit."""
+"""``cpu_layer_ops.c`` (the CPU backend's norms, rotary and SiLU-and-mul) against the torch
+reference, ``engine/ops.py``: rotary and SiLU-and-mul bit for bit, the norms bit for bit but where
+the variance's summation order moves a last bit."""
 
 from __future__ import annotations
 
@@ -102,6 +102,33 @@ def test_rotary_matches_the_reference_bit_for_bit(
         assert torch.equal(actual, reference)
 
 
+def gate_up_operand(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Gate and up halves over SiLU's whole range: exp(-g) under- and overflowing at the ends."""
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = 6 * torch.randn(rows, 2 * width, generator=generator)
+    gate_up[0, : min(width, 6)] = torch.tensor([-120.0, -88.0, -20.0, 0.0, 88.0, 120.0])[:width]
+    return gate_up.to(dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (3, 17), (40, 64), (2048, 1536)])
+def test_silu_and_mul_matches_the_reference_bit_for_bit(
+    dtype: torch.dtype, rows: int, width: int
+) -> None:
+    """One decoding row, an odd width, and a 2,048-token prefill step's (rows split over threads).
+    torch computes a row's last width % 16 elements with scalar ``exp`` (not SLEEF's vector one),
+    so there, and for a transposed layout, it is a unit in the last place off itself."""
+    for seed in range(3):
+        gate_up = gate_up_operand(rows, width, dtype, seed)
+        actual, expected = cpu_layer_ops.silu_and_mul(gate_up), ops.silu_and_mul(gate_up)
+        if width % 16:
+            assert_within_one_ulp(actual, expected)
+        else:
+            assert torch.equal(actual, expected)
+    strided = gate_up.t().contiguous().t()
+    assert_within_one_ulp(cpu_layer_ops.silu_and_mul(strided), ops.silu_and_mul(strided))
+
+
 def test_what_the_kernel_does_not_take_goes_to_the_reference() -> None:
     """float16, mixed dtypes, a head_dim over the kernel's buffers, a float64 cos/sin cache."""
     x, residual, weight = norm_operands(3, 64, torch.float16, seed=2)
@@ -120,6 +147,8 @@ def test_what_the_kernel_does_not_take_goes_to_the_reference() -> None:
         rotated = cpu_layer_ops.rotary_embedding(positions, query, key, cos_sin)
         expected = ops.rotary_embedding(positions, query, key, cos_sin)
         assert all(map(torch.equal, rotated, expected))
+    half = torch.randn(3, 64, dtype=torch.float16)
+    assert torch.equal(cpu_layer_ops.silu_and_mul(half), ops.silu_and_mul(half))
 
 
 @DTYPES
@@ -139,6 +168,8 @@ def test_the_portable_build_matches_too(
     cos_sin, positions = torch.randn(100, 64), torch.randint(0, 100, (40,))
     rotated = cpu_layer_ops.rotary_embedding(positions, query, key, cos_sin)
     assert all(map(torch.equal, rotated, ops.rotary_embedding(positions, query, key, cos_sin)))
+    gate_up = gate_up_operand(40, 1536, dtype, seed=4)
+    assert torch.equal(cpu_layer_ops.silu_and_mul(gate_up), ops.silu_and_mul(gate_up))
 
 
 def test_the_cpu_backend_runs_them_where_they_are_built() -> None:
@@ -147,6 +178,8 @@ def test_the_cpu_backend_runs_them_where_they_are_built() -> None:
     assert built.fused_add_rms_norm is cpu_layer_ops.fused_add_rms_norm
     assert built.rms_norm is cpu_layer_ops.rms_norm
     assert built.rotary_embedding is cpu_layer_ops.rotary_embedding
+    assert built.silu_and_mul is cpu_layer_ops.silu_and_mul
     without = cpu_backend_with(KernelCapabilities(cpu_decode=True))
     assert without.fused_add_rms_norm is ops.fused_add_rms_norm
     assert without.rotary_embedding is ops.rotary_embedding
+    assert without.silu_and_mul is ops.silu_and_mul

@@ -36,6 +36,7 @@ class Backend:
     rms_norm: Callable[..., torch.Tensor]
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     lora_plan: Callable[..., Any]
     lora_add: Callable[..., None]
 
@@ -50,6 +51,7 @@ def torch_backend_with(gemm: GemmChoice) -> Backend:
         rms_norm=ops.rms_norm,
         fused_add_rms_norm=ops.fused_add_rms_norm,
         rotary_embedding=ops.rotary_embedding,
+        silu_and_mul=ops.silu_and_mul,
         lora_plan=torch_lora_plan,
         lora_add=functools.partial(torch_lora_add, gemm=gemm),
     )
@@ -61,8 +63,8 @@ TORCH = torch_backend_with(TORCH_GEMMS)
 
 def cpu_backend_with(kernels: KernelCapabilities) -> Backend:
     """The torch backend with decodes attended in ``cpu_decode.c`` and, where they are built,
-    multi-token queries in ``cpu_prefill.c``, adapter deltas added in ``cpu_lora.c`` and norms
-    and rotary in ``cpu_layer_ops.c``."""
+    multi-token queries in ``cpu_prefill.c``, adapter deltas added in ``cpu_lora.c`` and norms,
+    rotary and SiLU-and-mul in ``cpu_layer_ops.c``."""
     backend = replace(
         torch_backend_with(kernels.gemm),
         name="cpu",
@@ -77,6 +79,7 @@ def cpu_backend_with(kernels: KernelCapabilities) -> Backend:
             rms_norm=cpu_layer_ops.rms_norm,
             fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
             rotary_embedding=cpu_layer_ops.rotary_embedding,
+            silu_and_mul=cpu_layer_ops.silu_and_mul,
         )
     return backend
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llmpool.engine import ops
 from llmpool.engine.attention import Backend
 from llmpool.engine.kernels.kv_write import write_kv
 from llmpool.engine.kernels.lora import lora_add, lora_plan
@@ -17,6 +18,7 @@ TRITON = Backend(
     rms_norm=rms_norm,
     fused_add_rms_norm=fused_add_rms_norm,
     rotary_embedding=rotary_embedding,
+    silu_and_mul=ops.silu_and_mul,
     lora_plan=lora_plan,
     lora_add=lora_add,
 )

@@ -6,13 +6,13 @@
  * nn.Module), while the GEMMs that stream the weights take ~7. Here the same kernels run from C:
  * the GEMM, norm, rotary and paged-decode kernels of the other libraries are passed in by address
  * (cpu_decoder.py), so each result is the one the layer-by-layer path computes, rounded at the
- * same points. Only the glue is this file's: the bias add, the KV write and SiLU-and-mul.
+ * same points (SiLU-and-mul too, from cpu_layer_ops.c). Only the glue is this file's: the bias
+ * add and the KV write.
  *
  * Layouts: hidden and residual [rows, hidden]; positions, slots and seq_lens [rows] int64;
  * block_tables [rows, max_blocks] int64; each layer's caches [blocks, block_size, kv_heads,
  * head_dim] (slot s is row s of the cache seen as [blocks * block_size, kv_heads * head_dim]).
  */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -26,6 +26,7 @@ typedef void (*rotary_fn)(const int64_t *positions, const float *cos_sin, const 
                           const void *key, void *query_out, void *key_out, int64_t tokens,
                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t query_stride,
                           int64_t key_stride);
+typedef void (*silu_fn)(const void *gate_up, void *out, int64_t rows, int64_t width);
 typedef void (*decode_fn)(const void *query, const void *key_cache, const void *value_cache,
                           const int64_t *block_tables, const int64_t *seq_lens, void *out,
                           int64_t decodes, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -48,6 +49,7 @@ typedef struct {
     int4_fn int4;
     norm_fn norm;
     rotary_fn rotary;
+    silu_fn silu_and_mul;
     decode_fn decode;
     const float *cos_sin; /* [max_positions, head_dim] float32 */
     const void *final_norm;
@@ -68,53 +70,13 @@ typedef struct {
     void *key_cache, *value_cache;
 } layer_t;
 
-/* exp(x) as SLEEF's expf_u10 computes it, which torch's vectorized CPU ops call (silu among
- * them), so that SiLU here rounds as torch's does: x = q ln2 + s (ln2 in two parts), e^s by a
- * degree-7 polynomial in fused multiply-adds, 2^q applied in two halves (q can reach 150 before
- * the product overflows or underflows as it should). Branch-free, so it vectorizes. */
-static inline float pow2i(int32_t q) {
-    const int32_t bits = (q + 127) << 23;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-static inline float exp_sleef(float x) {
-    const float qf = rintf(x * 1.442695040888963407359924681001892137f);
-    const int32_t q = (int32_t)qf;
-    float s = fmaf(qf, -0.693145751953125f, x);
-    s = fmaf(qf, -1.428606765330187045e-06f, s);
-    float u = 0.000198527617612853646278381f;
-    u = fmaf(u, s, 0.00139304355252534151077271f);
-    u = fmaf(u, s, 0.00833336077630519866943359f);
-    u = fmaf(u, s, 0.0416664853692054748535156f);
-    u = fmaf(u, s, 0.166666671633720397949219f);
-    u = fmaf(u, s, 0.5f);
-    u = 1.0f + fmaf(s * s, u, s);
-    u = u * pow2i(q >> 1) * pow2i(q - (q >> 1));
-    u = x < -104.0f ? 0.0f : u;
-    return x > 104.0f ? INFINITY : u;
-}
-
-/* Element-wise glue, rounded where torch's ops round: out + bias; silu(gate) as torch computes it
- * (x / (1 + exp(-x)) in float32, stored), times up. */
+/* Element-wise glue, rounded where torch's ops round: out + bias. */
 #define DEFINE_GLUE(SUFFIX, T)                                                                     \
     static void add_bias_##SUFFIX(T *out, const T *bias, int64_t rows, int64_t width) {            \
         for (int64_t r = 0; r < rows; r++)                                                         \
             for (int64_t j = 0; j < width; j++)                                                    \
                 out[r * width + j] =                                                               \
                     SUFFIX##_round(SUFFIX##_load(out[r * width + j]) + SUFFIX##_load(bias[j]));    \
-    }                                                                                              \
-    static void silu_and_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t width) {     \
-        for (int64_t r = 0; r < rows; r++) {                                                       \
-            const T *gate = gate_up + r * 2 * width, *up = gate + width;                           \
-            T *o = out + r * width;                                                                \
-            for (int64_t j = 0; j < width; j++) {                                                  \
-                const float g = SUFFIX##_load(gate[j]);                                            \
-                const float silu = SUFFIX##_load(SUFFIX##_round(g / (1.0f + exp_sleef(-g))));      \
-                o[j] = SUFFIX##_round(silu * SUFFIX##_load(up[j]));                                \
-            }                                                                                      \
-        }                                                                                          \
     }
 
 DEFINE_GLUE(bf16, uint16_t)
@@ -187,7 +149,7 @@ DEFINE_PROJECT(f32, float)
             project_##SUFFIX(m, &layer->o, attended, projected, rows, H, q_size, floats);          \
             m->norm(projected, residual, layer->post_norm, normed, residual, rows, H, m->eps);     \
             project_##SUFFIX(m, &layer->gate_up, normed, gate_up, rows, 2 * I, H, floats);         \
-            silu_and_mul_##SUFFIX(gate_up, activated, rows, I);                                    \
+            m->silu_and_mul(gate_up, activated, rows, I);                                          \
             project_##SUFFIX(m, &layer->down, activated, hidden, rows, H, I, floats);              \
         }                                                                                          \
         m->norm(hidden, residual, m->final_norm, hidden, residual, rows, H, m->eps);               \

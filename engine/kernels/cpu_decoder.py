@@ -3,9 +3,9 @@
 Layer by layer, a step calls ~14 kernels a layer through torch, ctypes and ``nn.Module``; at one
 decoding request on a 2-core Zen 4 EPYC that is ~4 of an ~11.5 ms bfloat16 step of SmolLM2, the
 GEMMs ~7. :class:`CpuDecoder` runs the same kernels (the projections' C GEMM: this CPU's few-row
-dense one or ``vnni_gemm``'s int8 or int4 one; ``cpu_layer_ops``' norms and rotary;
-``cpu_decode``'s attention) from one C call over every layer, so its result is the
-layer-by-layer one bit for bit (SiLU's ``exp`` is SLEEF's, as torch's). The model hands it the
+dense one or ``vnni_gemm``'s int8 or int4 one; ``cpu_layer_ops``' norms, rotary and
+SiLU-and-mul; ``cpu_decode``'s attention) from one C call over every layer, so its result is the
+layer-by-layer one bit for bit. The model hands it the
 steps it can run (:meth:`CpuDecoder.takes`): decodes only, as many as that GEMM is chosen for, no
 adapter rows; any other step runs layer by layer.
 """
@@ -44,8 +44,8 @@ class Model(ctypes.Structure):
     """``model_t``: the kernels (addresses) and sizes of one model."""
 
     _fields_ = [
-        *((name, _pointer) for name in ("gemm", "int8", "int4", "norm", "rotary", "decode",
-                                        "cos_sin", "final_norm")),
+        *((name, _pointer) for name in ("gemm", "int8", "int4", "norm", "rotary", "silu_and_mul",
+                                        "decode", "cos_sin", "final_norm")),
         *((name, _size) for name in ("weights", "layers", "hidden", "intermediate", "heads",
                                      "kv_heads", "head_dim", "block_size")),
         ("eps", ctypes.c_float),
@@ -148,6 +148,7 @@ class CpuDecoder:
         self.spec = Model(
             norm=_address(layer_ops, cpu_layer_ops.NORM_SYMBOLS[self.dtype]),
             rotary=_address(layer_ops, cpu_layer_ops.ROTARY_SYMBOLS[self.dtype]),
+            silu_and_mul=_address(layer_ops, cpu_layer_ops.SILU_SYMBOLS[self.dtype]),
             decode=_address(cpu_decode.KERNEL.built(), decode_symbol),
             cos_sin=model.cos_sin_cache.data_ptr(),
             final_norm=model.norm.data_ptr(),

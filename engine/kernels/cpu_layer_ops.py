@@ -1,10 +1,13 @@
-"""A layer's RMSNorms and rotary embedding on CPU: ``cpu_layer_ops.c``, and the calls of it.
+"""A layer's RMSNorms, rotary embedding and SiLU-and-mul on CPU: ``cpu_layer_ops.c``, and the
+calls of it.
 
 Each function has the signature and the results of its torch reference in ``engine/ops.py``
 (the CPU attention backend runs these in its place). The reference costs 7 small ops a norm and
 ~20 a rotary, ~19 and ~40 us at one decoding row on a 2-core Zen 4 EPYC, most of it per-op
 overhead: ~3 ms of a 17 ms eager bfloat16 decode step of SmolLM2 at one request (the kernel: 6 and
-12 us, the step 1.18x as fast; ``benchmarks/layer_ops.py``). The kernel takes what it can
+12 us, the step 1.18x as fast; ``benchmarks/layer_ops.py``). SiLU-and-mul's three ops are cheap at
+a decoding row but three passes over a prefill step's ``[2048, 2 * 1536]`` activations, ~7% of
+that step (one C pass: ~1.1x the prefill step). The kernel takes what it can
 (contiguous CPU rows of bfloat16 or float32, one dtype throughout) and hands anything else, and
 every call inside a compiled region (where inductor fuses the reference), to the reference.
 """
@@ -22,6 +25,7 @@ SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # dtype -> the kernel's symbol of each op.
 NORM_SYMBOLS = {dtype: f"add_rms_norm_{suffix}" for dtype, suffix in SUFFIXES.items()}
 ROTARY_SYMBOLS = {dtype: f"rotary_{suffix}" for dtype, suffix in SUFFIXES.items()}
+SILU_SYMBOLS = {dtype: f"silu_and_mul_{suffix}" for dtype, suffix in SUFFIXES.items()}
 MAX_HEAD_DIM = 512  # the kernel's per-token cos/sin buffers (MAX_HALF)
 
 _pointers, _sizes = [ctypes.c_void_p], [ctypes.c_int64]
@@ -30,6 +34,7 @@ KERNEL = CKernel(
     {
         **dict.fromkeys(NORM_SYMBOLS.values(), _pointers * 5 + _sizes * 2 + [ctypes.c_float]),
         **dict.fromkeys(ROTARY_SYMBOLS.values(), _pointers * 6 + _sizes * 6),
+        **dict.fromkeys(SILU_SYMBOLS.values(), _pointers * 2 + _sizes * 2),
     },
 )
 
@@ -120,3 +125,18 @@ def rotary_embedding(
             key.stride(0),
         )
     return query_out, key_out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``ops.silu_and_mul``."""
+    width = gate_up.shape[-1] // 2
+    if not _runs_here(gate_up) or gate_up.shape[-1] % 2:
+        return ops.silu_and_mul(gate_up)
+    gate_up = gate_up.contiguous()
+    out = torch.empty(*gate_up.shape[:-1], width, dtype=gate_up.dtype)
+    rows = out.numel() // width if width else 0
+    if rows:
+        getattr(KERNEL.built(), SILU_SYMBOLS[gate_up.dtype])(
+            gate_up.data_ptr(), out.data_ptr(), rows, width
+        )
+    return out

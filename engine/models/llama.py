@@ -176,8 +176,7 @@ class LlamaLayer(nn.Module):
         gate_up = self.gate_up_proj(hidden)
         if self.lora:
             lora_add(gate_up, hidden, self.index, GATE_UP)
-        gate, up = gate_up.chunk(2, dim=-1)
-        activated = nn.functional.silu(gate) * up
+        activated = backend.silu_and_mul(gate_up)
         out = self.down_proj(activated)
         if self.lora:
             lora_add(out, activated, self.index, DOWN)
