@@ -135,17 +135,20 @@ def test_prompts_and_prefill_chunks_run_the_prefill_kernel(
 
 
 @pytest.mark.skipif(
-    c_loader.arch_flags() != c_loader.AVX512_BUILD, reason="the AVX2 build runs on AVX-512 CPUs"
+    c_loader.arch_flags() != c_loader.AVX512_BUILD, reason="the other builds run on AVX-512 CPUs"
 )
+@pytest.mark.parametrize("build", ["avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_avx2_prefill_kernel_matches_too(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, head_dim: int
+def test_the_other_builds_of_the_prefill_kernel_match_too(
+    monkeypatch: pytest.MonkeyPatch, build: str, dtype: torch.dtype, head_dim: int
 ) -> None:
-    """The build an AVX2 CPU runs (8 lanes, 32-key tiles, fewer rows a pass), here."""
-    avx2 = cpu_prefill.KERNEL.build(c_loader.AVX2_BUILD)
-    assert avx2 is not None
-    monkeypatch.setattr(cpu_prefill.KERNEL, "library", lambda: avx2)
+    """The builds an AVX2 CPU runs (8 lanes, 32-key tiles, fewer rows a pass) and an AVX-512 CPU
+    without AVX-512 BF16 runs (bfloat16 by float32 FMAs, not vdpbf16ps), here."""
+    flags = {"avx2": c_loader.AVX2_BUILD, "avx512": c_loader.AVX512_BUILD}[build]
+    library = cpu_prefill.KERNEL.build(flags)
+    assert library is not None
+    monkeypatch.setattr(cpu_prefill.KERNEL, "library", lambda: library)
     _check([700, 45, 129, 3], [700, 45, 33, 1], 16, 3, CPU, dtype, head_dim)
 
 

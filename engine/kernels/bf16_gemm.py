@@ -16,20 +16,13 @@ import functools
 
 import torch
 
-from llmpool.engine.cpu_features import cpu_flags
-from llmpool.engine.kernels.c_loader import CKernel, avx512_only
+from llmpool.engine.kernels.c_loader import CKernel, avx512_only, with_avx512_bf16
 
-
-def _build() -> list[str] | None:
-    """AVX-512 CPUs only; with AVX-512 BF16's dot product where the CPU has it."""
-    build = avx512_only()
-    if build is not None and "avx512_bf16" in cpu_flags():
-        return [*build, "-mavx512bf16"]
-    return build
-
-
+# AVX-512 CPUs only; with AVX-512 BF16's dot product where the CPU has it.
 KERNEL = CKernel(
-    "bf16_gemm.c", {"bf16_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3}, _build
+    "bf16_gemm.c",
+    {"bf16_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3},
+    lambda: with_avx512_bf16(avx512_only()),
 )
 
 

@@ -188,6 +188,14 @@ def avx512_only() -> list[str] | None:
     return AVX512_BUILD if arch_flags() == AVX512_BUILD else None
 
 
+def with_avx512_bf16(build: list[str] | None) -> list[str] | None:
+    """An AVX-512 ``build`` with AVX-512 BF16's instructions (``vdpbf16ps``) where the CPU has
+    them (x86-64-v4 does not include them); any other build as it is."""
+    if build == AVX512_BUILD and "avx512_bf16" in cpu_flags():
+        return [*build, "-mavx512bf16"]
+    return build
+
+
 def avx2_or_wider() -> list[str] | None:
     """:attr:`CKernel.arch` of kernels written for AVX2: this CPU's widest level (AVX-512 CPUs
     have AVX2 too), None where it has no AVX2."""

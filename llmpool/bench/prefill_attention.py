@@ -5,7 +5,8 @@ Two measurements, each alternating between the ways in one process:
 - one layer's attention for a step of multi-token queries (SmolLM2's 9 query and 3 KV heads of
   64, random block tables over a shared pool), both dtypes, with the largest difference from the
   torch path's output: the torch path (torch's flash attention over a padded copy, with a
-  causal mask), the kernel, and, on AVX-512 CPUs, the kernel's AVX2 build. Two steps: ``prompts``,
+  causal mask), the kernel, and, on AVX-512 CPUs, the kernel's AVX2 build and (where this
+  build multiplies bfloat16 with ``vdpbf16ps``) its float32-FMA one. Two steps: ``prompts``,
   whole prompts of 40-700 tokens filling a 2,048-token step (a burst of new requests), and
   ``chunk``, a 512-token chunk of a prompt after 1,536 tokens already cached;
 - the engine's whole prefill step (bfloat16 or ``--dtype``): 2,048 tokens of such prompts in one
@@ -20,7 +21,9 @@ model.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import functools
 import itertools
 import random
 from collections.abc import Callable
@@ -56,6 +59,18 @@ STEPS = {  # name -> (seq_lens, query_lens)
 }
 
 
+def other_builds() -> dict[str, ctypes.CDLL]:
+    """On AVX-512 CPUs, the kernel as CPUs with less build it: AVX2 (8 lanes) and, where this
+    CPU's build multiplies bfloat16 with vdpbf16ps, AVX-512 with float32 FMAs."""
+    if c_loader.arch_flags() != c_loader.AVX512_BUILD:
+        return {}
+    builds = {"avx2": c_loader.AVX2_BUILD}
+    if cpu_prefill.KERNEL.arch() != c_loader.AVX512_BUILD:
+        builds["avx512_fma"] = c_loader.AVX512_BUILD
+    libraries = {name: cpu_prefill.KERNEL.build(flags) for name, flags in builds.items()}
+    return {name: library for name, library in libraries.items() if library is not None}
+
+
 def layer_milliseconds(step: str, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
     seq_lens, query_lens = STEPS[step]
     meta = paged_batch(seq_lens, query_lens, BLOCK_SIZE, seed=len(seq_lens))
@@ -78,19 +93,18 @@ def layer_milliseconds(step: str, dtype: torch.dtype, rounds: int) -> dict[str, 
 
         return run
 
+    def attend_with(name: str, library: ctypes.CDLL) -> None:
+        out = torch.empty_like(query)
+        cpu_prefill.paged_prefill(
+            query, cache.key, cache.value, *plans["kernel"].prefills, out=out,
+            scale=HEAD_DIM**-0.5, library=library,
+        )  # fmt: skip
+        outputs[name] = out
+
     ways = {name: attend(name) for name in backends}
-    if c_loader.arch_flags() == c_loader.AVX512_BUILD:
-        avx2_build = cpu_prefill.KERNEL.build(c_loader.AVX2_BUILD)
+    for name, library in other_builds().items():
+        ways[name] = functools.partial(attend_with, name, library)
 
-        def avx2() -> None:
-            out = torch.empty_like(query)
-            cpu_prefill.paged_prefill(
-                query, cache.key, cache.value, *plans["kernel"].prefills, out=out,
-                scale=HEAD_DIM**-0.5, library=avx2_build,
-            )  # fmt: skip
-            outputs["avx2"] = out
-
-        ways["avx2"] = avx2
     ms = alternating_step_ms(ways, rounds, steps=3)
     return {
         "seqs": len(seq_lens),
