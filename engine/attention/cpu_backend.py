@@ -5,8 +5,9 @@ A decode (one query token) in the torch backend gathers its sequence's blocks in
 copy, then attends over the copy: at 16 decodes of 40-700-token contexts that is ~35% of the
 step. Here every decode of the step is one call of a small C kernel that reads the blocks where
 they lie. Prompts and prefill chunks likewise go to one call of ``cpu_prefill.c`` (tiled, with
-an online softmax): torch's flash attention behind a padded copy and a boolean mask attended them
-at half that kernel's speed (``benchmarks/prefill_attention.py``). Where the prefill kernel has no
+an online softmax): torch's flash attention behind a padded copy and a boolean mask attended a
+2,048-token prefill step at a third (float32) to a fifth (bfloat16) of that kernel's speed
+(``benchmarks/prefill_attention.py``). Where the prefill kernel has no
 build (a CPU without AVX2, a head_dim other than 64 or 128), those queries keep the torch path.
 
 The kernels are built when the engine probes its kernels (``kernels.capabilities``). Without a
