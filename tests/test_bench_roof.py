@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import pytest
+import torch
 from safetensors import safe_open
 
-from llmpool.bench.roof import MachineRoof, ModelShape, workload_roof
+from llmpool.bench.roof import (
+    BANDWIDTH_BYTES,
+    MachineRoof,
+    ModelShape,
+    measure_machine,
+    workload_roof,
+)
 from llmpool.bench.serve import RequestResult, parse_args, summarize
+from llmpool.engine import huge_pages
 from llmpool.engine.model_source import resolve
 
 MACHINE = MachineRoof(dtype="bfloat16", gemm_gflops=100.0, read_gbytes_per_s=10.0)
@@ -72,3 +82,22 @@ def test_roof_defaults_to_the_builtin_model_in_the_servers_dtype() -> None:
     assert args.roof == builtin_shape()
     assert args.roof_dtype == "float32"
     assert parse_args([]).roof is None
+
+
+def test_the_machine_is_measured_over_operands_in_huge_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GEMM operands and the bandwidth buffer come from ``huge_pages.zeros``, as the
+    engine's weights and KV cache do; the rates are positive and finite."""
+    allocated: list[tuple[int, ...]] = []
+
+    def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        allocated.append(tuple(shape))
+        return original(shape, dtype)
+
+    original = huge_pages.zeros
+    monkeypatch.setattr(huge_pages, "zeros", zeros)
+    machine = measure_machine(builtin_shape(), "float32", repeats=1)
+    assert 0 < machine.gemm_gflops < math.inf and 0 < machine.read_gbytes_per_s < math.inf
+    assert (BANDWIDTH_BYTES // 4,) in allocated
+    assert (builtin_shape().vocab, builtin_shape().hidden) in allocated

@@ -53,7 +53,7 @@ class CpuAttentionPlan:
         return torch_backend.plan_sequences(self.meta, self.others)
 
     @cached_property
-    def prefills(self) -> tuple[torch.Tensor, ...]:
+    def prefills(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``cpu_prefill.paged_prefill``'s block tables, seq_lens, query starts and lengths."""
         meta, others = self.meta, self.others
         starts = meta.query_start_loc[others].to(torch.int64)
