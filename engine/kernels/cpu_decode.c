@@ -150,24 +150,7 @@ DEFINE_PAGED_DECODE(paged_decode_f32, float, same_float, same_float, any_head_di
 /* The softmax of n scores in place; returns 1 / their sum of exponentials, which the weighted
  * sum of V is multiplied by at the end. */
 static inline float softmax_unnormalized(float *scores, int64_t n) {
-    VEC best = vset1(-INFINITY);
-    int64_t t = 0;
-    for (; t + W <= n; t += W) best = vmax(best, vloadu(scores + t));
-    float top = vreduce_max(best);
-    for (; t < n; ++t) top = scores[t] > top ? scores[t] : top;
-    const VEC top_v = vset1(top);
-    VEC total = vzero();
-    float tail = 0.0f;
-    for (t = 0; t + W <= n; t += W) {
-        const VEC e = vexp_nonpositive(vsub(vloadu(scores + t), top_v));
-        vstoreu(scores + t, e);
-        total = vadd(total, e);
-    }
-    for (; t < n; ++t) {
-        scores[t] = exp_nonpositive(scores[t] - top);
-        tail += scores[t];
-    }
-    return 1.0f / (vreduce_add(total) + tail);
+    return 1.0f / exp_in_place(scores, n, max_of(scores, n));
 }
 
 #define DEFINE_PAGED_DECODE_SIMD(NAME, T, LOADV, STOREV, PORTABLE, HEAD_DIM)                      \

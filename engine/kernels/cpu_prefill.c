@@ -66,27 +66,12 @@ static inline int64_t key_offset(const item_t *item, int64_t pos, int64_t block_
  * against the row's running maximum (raised to the tile's), the rest of the tile zeroed; the
  * running sum updated. Returns the factor the row's output so far is rescaled by. */
 static inline float online_softmax(float *scores, int64_t valid, float *best, float *total) {
-    VEC top_v = vset1(-INFINITY);
-    int64_t t = 0;
-    for (; t + W <= valid; t += W) top_v = vmax(top_v, vloadu(scores + t));
-    float top = vreduce_max(top_v);
-    for (; t < valid; ++t) top = scores[t] > top ? scores[t] : top;
+    const float top = max_of(scores, valid);
     const float raised = top > *best ? top : *best;
     const float rescale = exp_nonpositive(*best - raised); /* ~0 on the first tile: nothing yet */
-    const VEC raised_v = vset1(raised);
-    VEC sum = vzero();
-    float tail = 0.0f;
-    for (t = 0; t + W <= valid; t += W) {
-        const VEC e = vexp_nonpositive(vsub(vloadu(scores + t), raised_v));
-        vstoreu(scores + t, e);
-        sum = vadd(sum, e);
-    }
-    for (; t < valid; ++t) {
-        scores[t] = exp_nonpositive(scores[t] - raised);
-        tail += scores[t];
-    }
-    for (; t < KEY_TILE; ++t) scores[t] = 0.0f;
-    *total = *total * rescale + vreduce_add(sum) + tail;
+    const float sum = exp_in_place(scores, valid, raised);
+    memset(scores + valid, 0, sizeof(float) * (size_t)(KEY_TILE - valid));
+    *total = *total * rescale + sum;
     *best = raised;
     return rescale;
 }

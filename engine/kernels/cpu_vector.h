@@ -1,11 +1,13 @@
 /* Float arithmetic shared by the CPU attention kernels (cpu_decode.c, cpu_prefill.c): exp of
  * non-positive floats (scores minus their maximum), one at a time and, on AVX-512 (16 lanes) or
- * AVX2 (8 lanes), W at a time. Each instruction set defines the vector type VEC of W floats and
+ * AVX2 (8 lanes), W at a time, and the softmax's two passes (the maximum; the exponentials and
+ * their sum). Each instruction set defines the vector type VEC of W floats and
  * the operations below, so that a kernel body is written once; CPU_VECTORS says they exist.
  * c_loader.py keys a build by this file's bytes too. */
 #ifndef LLMPOOL_CPU_VECTOR_H
 #define LLMPOOL_CPU_VECTOR_H
 
+#include <math.h>
 #include <stdint.h>
 
 /* 2^f on [0, 1): a degree-6 polynomial, shared by the scalar and the vector softmax. */
@@ -125,6 +127,35 @@ static inline VEC vexp_nonpositive(VEC x) {
     p = vfmadd(p, f, vset1(1.0f));
     return vscale(p, whole);
 }
+
+/* The largest of n scores. */
+static inline float max_of(const float *scores, int64_t n) {
+    VEC best = vset1(-INFINITY);
+    int64_t t = 0;
+    for (; t + W <= n; t += W) best = vmax(best, vloadu(scores + t));
+    float top = vreduce_max(best);
+    for (; t < n; ++t) top = scores[t] > top ? scores[t] : top;
+    return top;
+}
+
+/* exp(score - top) for each of n scores, in place (top at least each score); returns their sum. */
+static inline float exp_in_place(float *scores, int64_t n, float top) {
+    const VEC top_v = vset1(top);
+    VEC total = vzero();
+    float tail = 0.0f;
+    int64_t t = 0;
+    for (; t + W <= n; t += W) {
+        const VEC e = vexp_nonpositive(vsub(vloadu(scores + t), top_v));
+        vstoreu(scores + t, e);
+        total = vadd(total, e);
+    }
+    for (; t < n; ++t) {
+        scores[t] = exp_nonpositive(scores[t] - top);
+        tail += scores[t];
+    }
+    return vreduce_add(total) + tail;
+}
+
 #endif
 
 #endif
