@@ -30,7 +30,6 @@ static inline uint16_t float_to_bf16(float number) {
     return (uint16_t)(value.u >> 16);
 }
 
-
 /* A dot product as LANES independent partial sums, added pairwise at the end: the compiler
  * keeps the partial sums in one vector register (a float reduction it may not reorder itself
  * would otherwise be a chain of scalar additions). n is a multiple of LANES or the tail is

@@ -6,8 +6,8 @@ Each function has the signature and the results of its torch reference in ``engi
 ~20 a rotary, ~19 and ~40 us at one decoding row on a 2-core Zen 4 EPYC, most of it per-op
 overhead: ~3 ms of a 17 ms eager bfloat16 decode step of SmolLM2 at one request (the kernel: 6 and
 12 us, the step 1.18x as fast; ``benchmarks/layer_ops.py``). SiLU-and-mul's three ops are cheap at
-a decoding row but three passes over a prefill step's ``[2048, 2 * 1536]`` activations, ~7% of
-that step (one C pass: ~1.1x the prefill step). The kernel takes what it can
+a decoding row but three passes over a prefill step's ``[2048, 2 * 1536]`` activations (~4% of
+that step); the kernel's one pass is 1.6x faster there. The kernel takes what it can
 (contiguous CPU rows of bfloat16 or float32, one dtype throughout) and hands anything else, and
 every call inside a compiled region (where inductor fuses the reference), to the reference.
 """
