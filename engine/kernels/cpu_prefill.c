@@ -93,8 +93,9 @@ static inline void softmax_rows(const workspace_t *ws, const item_t *item, int64
     }
 }
 
-/* The rows' outputs so far, rescaled, plus `count` weighted rows of V: OUT_ROWS rows at a time in
- * registers. MULTIPLY_ADD(o, m, t, c) adds key step t's share to vector c of row r0 + m. */
+/* The item's outputs so far, rescaled, plus STEPS steps of weighted V (a key each, or a pair of
+ * keys): OUT_ROWS rows at a time in registers o. MULTIPLY_ADD(o, r0, t) adds step t's share to
+ * the rows from r0. Inside a way's tile function (item, ws, V and OUT_ROWS are its). */
 #define WEIGH_VALUES(HEAD_DIM, STEPS, MULTIPLY_ADD)                                                \
     for (int64_t r0 = 0; r0 < item->rows; r0 += OUT_ROWS) {                                       \
         VEC o[OUT_ROWS][V];                                                                       \
