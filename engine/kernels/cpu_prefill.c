@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_scalar.h"
 #include "cpu_vector.h"
 
 #ifdef CPU_VECTORS
@@ -359,14 +360,8 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
     free(first_item);                                                                             \
 }
 
-static inline float load_bf16(uint16_t bits) {
-    union { uint32_t u; float f; } value = { .u = (uint32_t)bits << 16 };
-    return value.f;
-}
-static inline float load_f32(float value) { return value; }
-
-DEFINE_FMA_WAY(fma_f32_64, float, load_f32, vload_f32, 64)
-DEFINE_FMA_WAY(fma_f32_128, float, load_f32, vload_f32, 128)
+DEFINE_FMA_WAY(fma_f32_64, float, f32_load, vload_f32, 64)
+DEFINE_FMA_WAY(fma_f32_128, float, f32_load, vload_f32, 128)
 DEFINE_PAGED_PREFILL(paged_prefill_f32_64, float, vstore_f32, 64, fma_f32_64)
 DEFINE_PAGED_PREFILL(paged_prefill_f32_128, float, vstore_f32, 128, fma_f32_128)
 #if defined(__AVX512BF16__) && W == 16
@@ -375,8 +370,8 @@ DEFINE_DP_WAY(128)
 DEFINE_PAGED_PREFILL(paged_prefill_bf16_64, uint16_t, vstore_bf16, 64, dp_64)
 DEFINE_PAGED_PREFILL(paged_prefill_bf16_128, uint16_t, vstore_bf16, 128, dp_128)
 #else
-DEFINE_FMA_WAY(fma_bf16_64, uint16_t, load_bf16, vload_bf16, 64)
-DEFINE_FMA_WAY(fma_bf16_128, uint16_t, load_bf16, vload_bf16, 128)
+DEFINE_FMA_WAY(fma_bf16_64, uint16_t, bf16_load, vload_bf16, 64)
+DEFINE_FMA_WAY(fma_bf16_128, uint16_t, bf16_load, vload_bf16, 128)
 DEFINE_PAGED_PREFILL(paged_prefill_bf16_64, uint16_t, vstore_bf16, 64, fma_bf16_64)
 DEFINE_PAGED_PREFILL(paged_prefill_bf16_128, uint16_t, vstore_bf16, 128, fma_bf16_128)
 #endif
