@@ -127,7 +127,9 @@ def test_a_decode_step_equals_the_layer_by_layer_forward(
 
 @needs_cpu("avx512_vnni", "avx512vbmi")  # vnni_gemm's int8 and int4 decodes
 @DTYPES
-@pytest.mark.parametrize(("quantization", "max_rows"), [("int8", 16), ("int4", 2)])
+@pytest.mark.parametrize(
+    ("quantization", "max_rows"), [("int8", 16), ("int4", cpu_decoder.ANY_ROWS)]
+)
 @pytest.mark.parametrize("qkv_bias", [False, True])
 def test_a_quantized_decode_step_equals_the_layer_by_layer_forward(
     dtype: torch.dtype, quantization: str, max_rows: int, qkv_bias: bool
@@ -135,7 +137,8 @@ def test_a_quantized_decode_step_equals_the_layer_by_layer_forward(
     kernels = probe_kernels(torch.device("cpu"))  # the dense GEMMs' choice is not asked
     model = small_model(small_shape(64, qkv_bias), dtype, kernels, quantization)
     assert model.cpu_decoder is not None and model.cpu_decoder.max_rows == max_rows
-    assert_a_step_equals_the_layer_by_layer_forward(model, dtype, [300, 17, 40, 1][:max_rows])
+    # int4: more rows than the kernel's tile of 6
+    assert_a_step_equals_the_layer_by_layer_forward(model, dtype, [300, 17, 40, 1, 16, 33, 5, 64])
 
 
 def decode_meta(rows: int) -> AttentionMetadata:

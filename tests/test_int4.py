@@ -13,7 +13,6 @@ from llmpool.engine.kernels.capabilities import probe_kernels
 from llmpool.engine.models import int4
 from llmpool.engine.models.int4 import (
     INT4_GROUP_SIZE,
-    INT4_VNNI_MAX_ROWS,
     Int4Linear,
     dequantize_int4,
     pack_int4,
@@ -96,12 +95,12 @@ def test_int4_layer_matches_its_dequantized_weight(
 
 
 def test_int4_reference_path_is_the_kernels_function() -> None:
-    """What runs where the kernel does not (CUDA, older torch): the dequantized float matmul."""
+    """What runs where no kernel does (CUDA, older torch): the dequantized float matmul."""
     torch.manual_seed(0)
     layer = Int4Linear.from_float(torch.randn(192, 128), None, KERNELS)
     x = torch.randn(5, 128)
     kernel = layer(x)
-    layer.use_kernels(replace(KERNELS, torch_int4=False))
+    layer.use_kernels(replace(KERNELS, torch_int4=False, vnni_gemm=False))
     reference = layer(x)
     torch.testing.assert_close(reference, x @ layer.dequantize().T)
     assert relative_error(kernel, reference) < 2**-7
@@ -222,7 +221,7 @@ def test_int8_layers_run_the_vnni_kernel_up_to_its_rows(
 
 
 @needs_vnni_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13])
 @pytest.mark.parametrize(("out_features", "in_features"), [*SHAPES, (128, 64), (64, 32)])
 def test_the_int4_kernel_is_the_dequantized_product_closer_than_torchs(
     out_features: int, in_features: int, rows: int
@@ -244,6 +243,19 @@ def test_the_int4_kernel_is_the_dequantized_product_closer_than_torchs(
 
 
 @needs_vnni_kernels
+def test_the_int4_kernels_rows_do_not_depend_on_each_other() -> None:
+    """Rows share each unpacking of the codes (up to 6 at a time): every row's result is the one
+    it gets alone, bit for bit, whichever tile and place in it the row has."""
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(torch.randn(192, 576), None, KERNELS)
+    operands = (layer.weight, layer.scales_and_zeros_bits)
+    x = torch.randn(13, 576) * torch.logspace(-3, 3, 13)[:, None]
+    together = vnni_gemm.int4_linear(x, *operands)
+    for row in range(13):
+        assert torch.equal(together[row], vnni_gemm.int4_linear(x[row : row + 1], *operands)[0])
+
+
+@needs_vnni_kernels
 def test_the_int4_kernel_takes_bfloat16_and_strided_rows_and_refuses_other_operands() -> None:
     torch.manual_seed(0)
     layer = Int4Linear.from_float(torch.randn(192, 128), None, KERNELS)
@@ -262,18 +274,19 @@ def test_the_int4_kernel_takes_bfloat16_and_strided_rows_and_refuses_other_opera
 
 @needs_vnni_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int4_layers_run_the_vnni_kernel_up_to_its_rows(
+def test_int4_layers_run_the_vnni_kernel_at_every_row_count(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
     torch.manual_seed(0)
     layer = Int4Linear.from_float(torch.randn(192, 128), None, KERNELS).to(dtype)
     calls = count_kernel_calls(monkeypatch, "int4_linear")
-    for rows in (1, INT4_VNNI_MAX_ROWS, INT4_VNNI_MAX_ROWS + 1):
+    row_counts = [1, 2, 7, 64, 300]
+    for rows in row_counts:
         x = torch.randn(rows, 128).to(dtype)
         got = layer(x)
         assert got.dtype == dtype and got.shape == (rows, 192)
         assert relative_error(got, x.float() @ layer.dequantize().T) < 2**-7
-    assert calls == [1, INT4_VNNI_MAX_ROWS]
+    assert calls == row_counts
 
 
 def test_switched_off_quantized_layers_run_torchs_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

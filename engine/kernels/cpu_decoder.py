@@ -13,6 +13,7 @@ adapter rows; any other step runs layer by layer.
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +39,8 @@ KERNEL = CKernel(
     {f"decode_layers_{suffix}": [_pointer] * 10 + [_size] * 2 for suffix in SUFFIXES.values()},
 )
 DENSE, INT8, INT4 = 0, 1, 2  # model_t.weights
+# int4 layers run ``vnni_gemm`` at every row count, so the decoder takes their decodes at any.
+ANY_ROWS = sys.maxsize
 
 
 class Model(ctypes.Structure):
@@ -109,9 +112,9 @@ def projections(
     if all(isinstance(m, Int8Linear) and m.vnni for m in modules):
         address = _address(vnni_gemm.KERNEL.built(), "int8_linear")
         return Projections(INT8, address, INT8_VNNI_MAX_ROWS)
-    if all(isinstance(m, int4.Int4Linear) and m.vnni_decodes for m in modules):
+    if all(isinstance(m, int4.Int4Linear) and m.vnni for m in modules):
         address = _address(vnni_gemm.KERNEL.built(), "int4_linear")
-        return Projections(INT4, address, int4.INT4_VNNI_MAX_ROWS)
+        return Projections(INT4, address, ANY_ROWS)
     return None
 
 

@@ -173,29 +173,37 @@ void int8_linear(const float *x, const int8_t *w, const int32_t *w_sums, const f
  *
  * w = code * scale + (zero - 8 * scale) per group of 32 input columns (engine/models/int4.py);
  * each group's integer sums are scaled in float32:
- * y += step * (high + low / 254) * scale + (zero - 8 * scale) * (sum of x over the group).
+ * y += step * (sum of code * value) / 254 * scale + (zero - 8 * scale) * (sum of x over the group),
+ * where a row's value = 254 * high + low is its two int8 parts (at most 32,385: an int16), so one
+ * vpdpwssd multiplies 2 columns of 16 outputs by the row's whole 15 bits. A group's integer sum
+ * is below 2^24, so it converts to float32 exactly: the result is the same bit for bit as summing
+ * each part with vpdpbusd (which takes 4 columns, of one part, an instruction).
  *
  * torch's layout keeps, per block of 64 outputs and input column k, 32 bytes: byte j holds output
- * j in its low nibble and output 32 + j in its high one. vpdpbusd wants 4 consecutive columns of
- * one output in each 32-bit lane, so the nibbles of 4 columns are split and interleaved by two
- * vpermt2b (VBMI) per 16 outputs. A work item is one block of 64 outputs against every row of x;
- * its codes are read from memory once and from L1/L2 for the other rows.
+ * j in its low nibble and output 32 + j in its high one. vpdpwssd wants 2 consecutive columns of
+ * one output in each 32-bit lane, as int16s: one masked vpermb (VBMI) per 2 columns of 16
+ * outputs. A work item is one block of 64 outputs against every row of x, INT4_ROWS rows at a
+ * time sharing each unpacking of the codes; its codes are read from memory once and from L1/L2
+ * for the other rows.
  */
 #define BLOCK_N 64
 #define GROUP 32
 /* Codes are prefetched this many bytes ahead: over SmolLM2's layers at one row, 3.48 -> 3.00 ms
  * (1 KB ahead: 3.16, 2 KB: 3.05). */
 #define INT4_PREFETCH 4096
+/* Rows of x that share each unpacking of the codes: per 2 columns and 32 outputs a row costs a
+ * broadcast and 2 vpdpwssd, the unpacking (a load, masks, 2 vpermb) about as much again. zmm
+ * registers: per row an accumulator and an output for each 16 outputs of the half. */
+#define INT4_ROWS 6
 
-/* A row of x split into high and low parts (K bytes each), its step, and its sum over each
+/* A row of x as int16 values 254 * high + low (K of them), its step, and its sum over each
  * group of GROUP columns. */
-static void split_row(const float *x, int8_t *parts, float *step_out, float *group_sums, int64_t K) {
+static void split_row(const float *x, int16_t *values, float *step_out, float *group_sums, int64_t K) {
     const float step = row_step(x, K);
     for (int64_t k = 0; k < K; ++k) {
         int high, low;
         split(x[k], step, &high, &low);
-        parts[k] = (int8_t)high;
-        parts[K + k] = (int8_t)low;
+        values[k] = (int16_t)(high * (int)SPLIT + low);
     }
     for (int64_t g = 0; g < K / GROUP; ++g) {
         float sum = 0.0f;
@@ -205,81 +213,98 @@ static void split_row(const float *x, int8_t *parts, float *step_out, float *gro
     *step_out = step;
 }
 
-/* One block of 64 outputs (packed [K][32] bytes) against one split row of x. */
-static void block_row(const uint8_t *packed, const uint32_t *scales_and_zeros, const int8_t *parts,
-                      float step, const float *group_sums, float *y, int64_t N, int64_t K,
-                      __m512i pick_low, __m512i pick_high) {
+/* One half of a block (outputs 32 half .. 32 half + 31: the low nibbles for half 0, the high
+ * ones for half 1) against ``rows`` rows of values; both constants where it is inlined. */
+static inline __attribute__((always_inline)) void block_half(
+    const uint8_t *packed, const uint32_t *scales_and_zeros, const int16_t *values, const float *steps,
+    const float *group_sums, float *y, int rows, int half, int64_t N, int64_t K, __m512i pick_low,
+    __m512i pick_high) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512 unit = _mm512_set1_ps(step / SPLIT);
-    __m512 out[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __mmask64 code_bytes = 0x5555555555555555ull; /* the low byte of each int16 */
+    __m512 out[INT4_ROWS][2];
+    for (int r = 0; r < rows; ++r) out[r][0] = out[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < K / GROUP; ++g) {
-        __m512i high[4], low[4];
-        for (int q = 0; q < 4; ++q) high[q] = low[q] = _mm512_setzero_si512();
-        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 4) {
-            /* columns k, k + 1 and k + 2, k + 3 */
+        __m512i dots[INT4_ROWS][2];
+        for (int r = 0; r < rows; ++r) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 2) {
+            /* columns k and k + 1: byte 32t + j holds output j of column k + t */
             _mm_prefetch((const char *)(packed + k * 32 + INT4_PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(packed + k * 32 + INT4_PREFETCH + 64), _MM_HINT_T0);
-            const __m512i a = _mm512_loadu_si512(packed + k * 32), b = _mm512_loadu_si512(packed + (k + 2) * 32);
-            const __m512i a_low = _mm512_and_si512(a, nibble), b_low = _mm512_and_si512(b, nibble);
-            const __m512i a_high = _mm512_and_si512(_mm512_srli_epi16(a, 4), nibble);
-            const __m512i b_high = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
-            /* outputs 0-15, 16-31 (low nibbles), 32-47, 48-63 (high): 4 columns of each per lane */
-            const __m512i codes[4] = {
-                _mm512_permutex2var_epi8(a_low, pick_low, b_low),
-                _mm512_permutex2var_epi8(a_low, pick_high, b_low),
-                _mm512_permutex2var_epi8(a_high, pick_low, b_high),
-                _mm512_permutex2var_epi8(a_high, pick_high, b_high),
-            };
-            const __m512i x_high = _mm512_set1_epi32(*(const int32_t *)(parts + k));
-            const __m512i x_low = _mm512_set1_epi32(*(const int32_t *)(parts + K + k));
-            for (int q = 0; q < 4; ++q) {
-                high[q] = _mm512_dpbusd_epi32(high[q], codes[q], x_high);
-                low[q] = _mm512_dpbusd_epi32(low[q], codes[q], x_low);
+            __m512i both = _mm512_loadu_si512(packed + k * 32);
+            if (half) both = _mm512_srli_epi16(both, 4);
+            both = _mm512_and_si512(both, nibble);
+            /* outputs 32 half .. + 15 and 32 half + 16 .. + 31: 2 columns of each per lane */
+            const __m512i codes[2] = {_mm512_maskz_permutexvar_epi8(code_bytes, pick_low, both),
+                                      _mm512_maskz_permutexvar_epi8(code_bytes, pick_high, both)};
+            for (int r = 0; r < rows; ++r) {
+                const __m512i x = _mm512_set1_epi32(*(const int32_t *)(values + r * K + k));
+                dots[r][0] = _mm512_dpwssd_epi32(dots[r][0], codes[0], x);
+                dots[r][1] = _mm512_dpwssd_epi32(dots[r][1], codes[1], x);
             }
         }
-        const __m512 sum = _mm512_set1_ps(group_sums[g]);
-        for (int q = 0; q < 4; ++q) {
-            /* (scale, zero) pairs of outputs 16q..16q+15 as bfloat16 bits: scale low, zero high */
-            const __m512i pairs = _mm512_loadu_si512(scales_and_zeros + g * N + 16 * q);
+        for (int q = 0; q < 2; ++q) {
+            /* (scale, zero) pairs of these 16 outputs as bfloat16 bits: scale low, zero high */
+            const __m512i pairs = _mm512_loadu_si512(scales_and_zeros + g * N + 32 * half + 16 * q);
             const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
             const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
-            const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high[q]), _mm512_set1_ps(SPLIT), _mm512_cvtepi32_ps(low[q]));
             const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
-            out[q] = _mm512_fmadd_ps(_mm512_mul_ps(dot, unit), scale, out[q]);
-            out[q] = _mm512_fmadd_ps(offset, sum, out[q]);
+            for (int r = 0; r < rows; ++r) {
+                const __m512 unit = _mm512_set1_ps(steps[r] / SPLIT);
+                const __m512 dot = _mm512_cvtepi32_ps(dots[r][q]);
+                out[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(dot, unit), scale, out[r][q]);
+                out[r][q] = _mm512_fmadd_ps(offset, _mm512_set1_ps(group_sums[r * (K / GROUP) + g]), out[r][q]);
+            }
         }
     }
-    for (int q = 0; q < 4; ++q) _mm512_storeu_ps(y + 16 * q, out[q]);
+    for (int r = 0; r < rows; ++r)
+        for (int q = 0; q < 2; ++q) _mm512_storeu_ps(y + r * N + 32 * half + 16 * q, out[r][q]);
+}
+
+/* One block of 64 outputs (packed [K][32] bytes) against ``rows`` (1..INT4_ROWS) rows of values. */
+static void block_rows(const uint8_t *packed, const uint32_t *scales_and_zeros, const int16_t *values,
+                       const float *steps, const float *group_sums, float *y, int rows, int64_t N,
+                       int64_t K, __m512i pick_low, __m512i pick_high) {
+#define BLOCK_HALVES(ROWS_)                                                                        \
+    for (int half = 0; half < 2; ++half)                                                           \
+        block_half(packed, scales_and_zeros, values, steps, group_sums, y, ROWS_, half, N, K,      \
+                   pick_low, pick_high)
+    switch (rows) {
+        case 1: BLOCK_HALVES(1); break;
+        case 2: BLOCK_HALVES(2); break;
+        case 3: BLOCK_HALVES(3); break;
+        case 4: BLOCK_HALVES(4); break;
+        case 5: BLOCK_HALVES(5); break;
+        default: BLOCK_HALVES(6); break;
+    }
+#undef BLOCK_HALVES
 }
 
 /* x [M, K] float32; packed [N, K / 2] bytes in torch's layout; scales_and_zeros [K / 32, N, 2]
  * bfloat16 bits; y [M, N] float32; all contiguous, N a multiple of 64 and K of 32. */
 void int4_linear(const float *x, const uint8_t *packed, const uint32_t *scales_and_zeros, float *y,
                  int64_t M, int64_t N, int64_t K) {
-    int8_t *parts = malloc((size_t)(M * 2 * K));
+    int16_t *values = malloc((size_t)(M * K) * sizeof(int16_t));
     float *steps = malloc((size_t)M * sizeof(float));
     float *group_sums = malloc((size_t)(M * (K / GROUP)) * sizeof(float));
-    if (parts == NULL || steps == NULL || group_sums == NULL) abort();
-    /* byte 4c + t of an output lane: column t of output c (pick_low) or c + 16 (pick_high), from
-     * a (columns 0 and 1, at 32t + c) or b (columns 2 and 3, at 64 + 32(t - 2) + c) */
-    int8_t low_index[64], high_index[64];
+    if (values == NULL || steps == NULL || group_sums == NULL) abort();
+    /* bytes 4c and 4c + 2 of an output lane: output c (pick_low) or 16 + c (pick_high) of
+     * columns k (at c) and k + 1 (at 32 + c); the odd bytes are masked to zero */
+    int8_t low_index[64] = {0}, high_index[64] = {0};
     for (int c = 0; c < 16; ++c)
-        for (int t = 0; t < 4; ++t) {
-            const int source = t < 2 ? 32 * t : 64 + 32 * (t - 2);
-            low_index[4 * c + t] = (int8_t)(source + c);
-            high_index[4 * c + t] = (int8_t)(source + 16 + c);
+        for (int t = 0; t < 2; ++t) {
+            low_index[4 * c + 2 * t] = (int8_t)(32 * t + c);
+            high_index[4 * c + 2 * t] = (int8_t)(32 * t + 16 + c);
         }
     const __m512i pick_low = _mm512_loadu_si512(low_index), pick_high = _mm512_loadu_si512(high_index);
     for (int64_t m = 0; m < M; ++m) /* outside the parallel region, as in int8_linear */
-        split_row(x + m * K, parts + m * 2 * K, steps + m, group_sums + m * (K / GROUP), K);
+        split_row(x + m * K, values + m * K, steps + m, group_sums + m * (K / GROUP), K);
 #pragma omp parallel for schedule(static)
     for (int64_t block = 0; block < N / BLOCK_N; ++block)
-        for (int64_t m = 0; m < M; ++m)
-            block_row(packed + block * BLOCK_N * (K / 2), scales_and_zeros + block * BLOCK_N,
-                      parts + m * 2 * K, steps[m], group_sums + m * (K / GROUP), y + m * N + block * BLOCK_N,
-                      N, K, pick_low, pick_high);
+        for (int64_t m = 0; m < M; m += INT4_ROWS)
+            block_rows(packed + block * BLOCK_N * (K / 2), scales_and_zeros + block * BLOCK_N,
+                       values + m * K, steps + m, group_sums + m * (K / GROUP), y + m * N + block * BLOCK_N,
+                       M - m < INT4_ROWS ? (int)(M - m) : INT4_ROWS, N, K, pick_low, pick_high);
     free(group_sums);
     free(steps);
-    free(parts);
+    free(values);
 }

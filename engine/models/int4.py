@@ -37,10 +37,6 @@ PACK_BLOCK_SIZES = (64, 32)
 INT4_OUT_MULTIPLE = max(PACK_BLOCK_SIZES)
 INT4_MAX_CODE = 15
 INT4_MID_CODE = 8
-# Up to this many rows, int4 layers on CPUs with AVX-512 VNNI and VBMI run ``vnni_gemm``'s
-# kernel on the same bytes: against torch's kernel 1.1-2.0x at one row on SmolLM2's layers,
-# 1.0-1.5x at two, and 0.8-1.2x from four (python benchmarks/vnni_gemm.py).
-INT4_VNNI_MAX_ROWS = 2
 
 
 def torch_has_int4_cpu_kernel() -> bool:
@@ -142,8 +138,9 @@ def dequantize_int4(
 class Int4Linear(nn.Module):
     """``y = x @ dequantize(weight).T + bias`` with 4-bit codes and group-wise scales and zeros.
 
-    On CPU, decodes of up to ``INT4_VNNI_MAX_ROWS`` rows run ``vnni_gemm``'s kernel where it is
-    built (the rows split into two int8 parts, 15 bits); otherwise torch's fused kernel runs in
+    On CPU, rows run ``vnni_gemm``'s kernel where it is built (the rows split into two int8
+    parts, 15 bits): against torch's kernel on SmolLM2's layers 1.2-1.6x from one row to 2,048
+    on a Zen 4 EPYC (python benchmarks/vnni_gemm.py). Otherwise torch's fused kernel runs in
     bfloat16 whatever the activations' dtype: its float32 variant is scalar code (on this
     project's CPU 34x slower than the dense float32 matmul at one row, 700x at 64), while the
     bfloat16 one reads the packed weight once and accumulates in float32. Elsewhere the weight
@@ -175,10 +172,10 @@ class Int4Linear(nn.Module):
 
     def use_kernels(self, kernels: KernelCapabilities) -> None:
         """Plain attributes that a compiled forward reads without tracing a probe: the packed
-        layout's block, whether torch's kernel exists, whether decodes run ``vnni_gemm``."""
+        layout's block, whether torch's kernel exists, whether rows run ``vnni_gemm``."""
         self.pack_block = kernels.int4_pack_block
         self.torch_kernel = kernels.torch_int4
-        self.vnni_decodes = (
+        self.vnni = (
             kernels.vnni_gemm
             and self.group_size == vnni_gemm.INT4_GROUP
             and self.pack_block == vnni_gemm.INT4_BLOCK
@@ -201,7 +198,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if x.device.type == "cpu" and self.vnni_decodes and rows.shape[0] <= INT4_VNNI_MAX_ROWS:
+        if x.device.type == "cpu" and self.vnni:
             out = vnni_gemm.int4_op(rows, self.weight, self.scales_and_zeros_bits)
         elif x.device.type == "cpu" and self.torch_kernel:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
