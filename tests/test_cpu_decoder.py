@@ -18,6 +18,7 @@ from llmpool.engine.kernels.capabilities import (
     bfloat16_kernel,
     probe_kernels,
 )
+from llmpool.engine.models.int4 import INT4_DEQUANTIZED_MIN_ROWS
 from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
 from llmpool.engine.models.quantization import quantize
@@ -128,7 +129,7 @@ def test_a_decode_step_equals_the_layer_by_layer_forward(
 @needs_cpu("avx512_vnni", "avx512vbmi")  # vnni_gemm's int8 and int4 decodes
 @DTYPES
 @pytest.mark.parametrize(
-    ("quantization", "max_rows"), [("int8", 16), ("int4", cpu_decoder.ANY_ROWS)]
+    ("quantization", "max_rows"), [("int8", 16), ("int4", INT4_DEQUANTIZED_MIN_ROWS - 1)]
 )
 @pytest.mark.parametrize("qkv_bias", [False, True])
 def test_a_quantized_decode_step_equals_the_layer_by_layer_forward(

@@ -256,6 +256,35 @@ def test_the_int4_kernels_rows_do_not_depend_on_each_other() -> None:
 
 
 @needs_vnni_kernels
+@pytest.mark.slow
+def test_a_compiled_int4_layer_dequantizes_large_bfloat16_batches_inside_its_graph() -> None:
+    """The dequantizer is an opaque op (``llmpool::int4_dequantize``) that a compiled forward
+    calls without breaking its graph, to the eager forward's result."""
+    torch.manual_seed(0)
+    kernels = replace(KERNELS, native_bf16=True)
+    layer = Int4Linear.from_float(torch.randn(192, 128), None, kernels).bfloat16()
+    x = torch.randn(int4.INT4_DEQUANTIZED_MIN_ROWS, 128).bfloat16()
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+
+
+@needs_vnni_kernels
+@pytest.mark.parametrize(("out_features", "in_features"), [*SHAPES, (64, 32)])
+def test_the_int4_dequantizer_is_torchs_dequantized_weight_in_bfloat16(
+    out_features: int, in_features: int
+) -> None:
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(torch.randn(out_features, in_features) * 4, None, KERNELS)
+    got = vnni_gemm.int4_dequantize(layer.weight, layer.scales_and_zeros_bits)
+    assert got.is_contiguous()
+    assert torch.equal(got, layer.dequantize().T.bfloat16())
+    with pytest.raises(ValueError, match="int4_dequantize takes uint8 codes"):
+        vnni_gemm.int4_dequantize(layer.weight.to(torch.int8), layer.scales_and_zeros_bits)
+    with pytest.raises(ValueError, match="groups of 32"):
+        vnni_gemm.int4_dequantize(layer.weight[:32], layer.scales_and_zeros_bits)
+
+
+@needs_vnni_kernels
 def test_the_int4_kernel_takes_bfloat16_and_strided_rows_and_refuses_other_operands() -> None:
     torch.manual_seed(0)
     layer = Int4Linear.from_float(torch.randn(192, 128), None, KERNELS)
@@ -278,7 +307,8 @@ def test_int4_layers_run_the_vnni_kernel_at_every_row_count(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
     torch.manual_seed(0)
-    layer = Int4Linear.from_float(torch.randn(192, 128), None, KERNELS).to(dtype)
+    kernels = replace(KERNELS, native_bf16=False)
+    layer = Int4Linear.from_float(torch.randn(192, 128), None, kernels).to(dtype)
     calls = count_kernel_calls(monkeypatch, "int4_linear")
     row_counts = [1, 2, 7, 64, 300]
     for rows in row_counts:
@@ -287,6 +317,31 @@ def test_int4_layers_run_the_vnni_kernel_at_every_row_count(
         assert got.dtype == dtype and got.shape == (rows, 192)
         assert relative_error(got, x.float() @ layer.dequantize().T) < 2**-7
     assert calls == row_counts
+
+
+@needs_vnni_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_bfloat16_int4_batches_dequantize_where_the_cpu_multiplies_bfloat16(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """From INT4_DEQUANTIZED_MIN_ROWS bfloat16 rows the layer multiplies its weight dequantized
+    to bfloat16; fewer rows, float32 rows, or a CPU without native bfloat16 products run the
+    kernel."""
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(torch.randn(192, 128), None, replace(KERNELS, native_bf16=True))
+    layer = layer.to(dtype)
+    monkeypatch.setattr(int4, "INT4_DEQUANTIZED_MIN_ROWS", 8)
+    calls = count_kernel_calls(monkeypatch, "int4_linear")
+    for rows in (7, 8, 30):
+        x = torch.randn(rows, 128).to(dtype)
+        got = layer(x)
+        assert got.dtype == dtype
+        assert relative_error(got, x.float() @ layer.dequantize().T) < 2**-7
+    kernel_rows = [7] if dtype == torch.bfloat16 else [7, 8, 30]
+    assert calls == kernel_rows
+    layer.use_kernels(replace(KERNELS, native_bf16=False))
+    layer(torch.randn(30, 128).to(dtype))
+    assert calls == [*kernel_rows, 30]
 
 
 def test_switched_off_quantized_layers_run_torchs_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from llmpool.engine.cpu_features import cpu_flags
 from llmpool.engine.kernels import (
     avx2_gemm,
     bf16_gemm,
@@ -44,6 +45,9 @@ class KernelCapabilities:
     avx2_gemm: bool = False  # avx2_gemm.c is built (AVX2 and FMA); whether it runs: ``gemm``
     vnni_gemm: bool = False  # vnni_gemm.c: int8 and int4 decodes (AVX-512 VNNI and VBMI)
     torch_int4: bool = False  # torch's own packed int4 CPU kernel exists
+    # The CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), so torch's bfloat16 GEMM runs at
+    # its full rate: large int4 batches dequantize to it (int4.INT4_DEQUANTIZED_MIN_ROWS).
+    native_bf16: bool = False
     int4_pack_block: int = int4.INT4_OUT_MULTIPLE  # output block of torch's int4 layout
     gemm: GemmChoice = TORCH_GEMMS  # which GEMMs run where
 
@@ -68,6 +72,7 @@ def probe_kernels(
         avx2_gemm=on_cpu and avx2_gemm.KERNEL.available,
         vnni_gemm=on_cpu and vnni_gemm.KERNEL.available,
         torch_int4=int4.torch_has_int4_cpu_kernel(),
+        native_bf16=on_cpu and bool({"avx512_bf16", "amx_bf16"} & cpu_flags()),
         int4_pack_block=int4.probe_pack_block_n(),
     )
     if not on_cpu or weight_shape is None:

@@ -13,7 +13,6 @@ adapter rows; any other step runs layer by layer.
 from __future__ import annotations
 
 import ctypes
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,8 +38,6 @@ KERNEL = CKernel(
     {f"decode_layers_{suffix}": [_pointer] * 10 + [_size] * 2 for suffix in SUFFIXES.values()},
 )
 DENSE, INT8, INT4 = 0, 1, 2  # model_t.weights
-# int4 layers run ``vnni_gemm`` at every row count, so the decoder takes their decodes at any.
-ANY_ROWS = sys.maxsize
 
 
 class Model(ctypes.Structure):
@@ -114,7 +111,8 @@ def projections(
         return Projections(INT8, address, INT8_VNNI_MAX_ROWS)
     if all(isinstance(m, int4.Int4Linear) and m.vnni for m in modules):
         address = _address(vnni_gemm.KERNEL.built(), "int4_linear")
-        return Projections(INT4, address, ANY_ROWS)
+        # Larger bfloat16 batches may dequantize instead (int4.INT4_DEQUANTIZED_MIN_ROWS).
+        return Projections(INT4, address, int4.INT4_DEQUANTIZED_MIN_ROWS - 1)
     return None
 
 

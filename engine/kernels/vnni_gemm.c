@@ -1,10 +1,10 @@
-/* Weight-only GEMMs of few rows on AVX-512 VNNI: int8 weights (int8_linear) and int4 ones in
- * torch's packed layout (int4_linear, which needs VBMI too).
+/* Weight-only GEMMs on AVX-512 VNNI: int8 weights (int8_linear, decodes of few rows) and int4
+ * ones in torch's packed layout (int4_linear, which needs VBMI too, at every row count).
  *
  * Decode steps multiply a few rows by every weight, and torch's weight-only kernels stream the
  * weight well below the memory roof at one row: they widen every weight to a float. These
- * kernels multiply bytes by bytes with vpdpbusd (64 multiply-adds an instruction), so reading
- * the weight is nearly all they wait on.
+ * kernels multiply integers with vpdpbusd (int8: 64 byte products an instruction) and vpdpwssd
+ * (int4: 32 int16 ones), so at one row reading the weight is nearly all they wait on.
  *
  * x is not rounded to int8: each row is split into two int8 parts exactly as
  * quantization.int8_split_matmul splits it (step = amax / 127, s = x / step, high = rint(s),
@@ -307,4 +307,37 @@ void int4_linear(const float *x, const uint8_t *packed, const uint32_t *scales_a
     free(group_sums);
     free(steps);
     free(values);
+}
+
+/* The weight W^T [K, N] as bfloat16 bits, for batches that multiply it in a dense bfloat16 GEMM
+ * (int4.INT4_DEQUANTIZED_MIN_ROWS): code * scale + (zero - 8 * scale) in float32, the product
+ * exact (4 bits by 8), so one rounding as in int4.dequantize_int4, then rounded to nearest even
+ * as torch rounds a float32 to bfloat16. Transposed: a column's 64 outputs of a block sit
+ * together in torch's layout. Operands as int4_linear's. */
+void int4_dequantize_bf16(const uint8_t *packed, const uint32_t *scales_and_zeros, uint16_t *w_t,
+                          int64_t N, int64_t K) {
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < K; ++k) {
+        const uint32_t *pairs_row = scales_and_zeros + (k / GROUP) * N;
+        for (int64_t block = 0; block < N / BLOCK_N; ++block) {
+            const uint8_t *bytes = packed + block * BLOCK_N * (K / 2) + k * 32;
+            for (int q = 0; q < 4; ++q) {
+                /* outputs 16q..16q+15: low nibbles of bytes 16q.. (q < 2), else high of 16(q - 2).. */
+                __m128i sixteen = _mm_loadu_si128((const __m128i *)(bytes + 16 * (q & 1)));
+                if (q >= 2) sixteen = _mm_srli_epi16(sixteen, 4);
+                const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sixteen, nibble)));
+                const __m512i pairs = _mm512_loadu_si512(pairs_row + block * BLOCK_N + 16 * q);
+                const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+                const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
+                const __m512i bits = _mm512_castps_si512(_mm512_fmadd_ps(codes, scale, offset));
+                const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+                const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(round, lsb)), 16);
+                _mm256_storeu_si256((__m256i *)(w_t + k * N + block * BLOCK_N + 16 * q), _mm512_cvtepi32_epi16(rounded));
+            }
+        }
+    }
 }

@@ -1,12 +1,14 @@
-"""Few-row int8 and int4 weight-only GEMMs on AVX-512 VNNI CPUs: ``vnni_gemm.c``, and the ops
+"""int8 (few-row) and int4 weight-only GEMMs on AVX-512 VNNI CPUs: ``vnni_gemm.c``, and the ops
 that call it.
 
 Decode steps multiply a few rows by every weight. torch's weight-only kernels
 (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) round the rows to bfloat16 and stream
-the weight at about half the memory roof at one row. These kernels multiply bytes by bytes with
-VNNI on the rows split into two int8 parts, ``quantization.int8_split_matmul``'s 15 bits a row:
-the int8 kernel computes that matmul's numbers, so int8 layers give the same result at every
-batch size, and the int4 kernel is ~50x closer to the dequantized product than torch's.
+the weight at about half the memory roof at one row. These kernels multiply integers with VNNI
+on the rows split into two int8 parts, ``quantization.int8_split_matmul``'s 15 bits a row: the
+int8 kernel computes that matmul's numbers, so int8 layers give the same result at every batch
+size, and the int4 kernel is ~50x closer to the dequantized product than torch's. The int4
+kernel's rows share each unpacking of the codes, so it stays ahead of torch's at every row
+count (1.1-1.3x from 1 to 2,048 rows on a Zen 4 EPYC), and int4 layers run it at all.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ KERNEL = CKernel(
     {
         "int8_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3,
         "int4_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
+        "int4_dequantize_bf16": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2,
     },
     _vnni_build,
 )
@@ -89,16 +92,13 @@ def int8_linear(
     return out
 
 
-def int4_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros_bits: torch.Tensor
-) -> torch.Tensor:
-    """``x @ dequantize_int4(packed, scales_and_zeros).T`` in float32 for 2-D CPU tensors: ``x``
-    float32 or bfloat16, ``packed`` ``[N, K / 2]`` uint8 in torch's layout (``int4.pack_int4``),
-    the bfloat16 scales and zeros ``[K / 32, N, 2]`` as their int16 bits."""
-    library = KERNEL.built()
+def _check_int4(
+    packed: torch.Tensor, scales_and_zeros_bits: torch.Tensor, name: str
+) -> tuple[int, int]:
+    """The outputs and inputs of int4 operands in torch's layout; a ValueError for others."""
     if packed.dtype != torch.uint8 or scales_and_zeros_bits.dtype != torch.int16:
         raise ValueError(
-            f"int4_linear takes uint8 codes and int16 scale bits, not {packed.dtype} and"
+            f"{name} takes uint8 codes and int16 scale bits, not {packed.dtype} and"
             f" {scales_and_zeros_bits.dtype}"
         )
     outputs, inputs = packed.shape[0], 2 * packed.shape[1]
@@ -108,10 +108,34 @@ def int4_linear(
         or scales_and_zeros_bits.shape != (inputs // INT4_GROUP, outputs, 2)
     ):
         raise ValueError(
-            f"int4_linear: codes {tuple(packed.shape)} and scales"
+            f"{name}: codes {tuple(packed.shape)} and scales"
             f" {tuple(scales_and_zeros_bits.shape)} (groups of {INT4_GROUP}, blocks of"
             f" {INT4_BLOCK} outputs)"
         )
+    return outputs, inputs
+
+
+def int4_dequantize(packed: torch.Tensor, scales_and_zeros_bits: torch.Tensor) -> torch.Tensor:
+    """``dequantize_int4(packed, scales_and_zeros).T.bfloat16()``, ``[K, N]`` contiguous (the
+    same bits): what a dense bfloat16 GEMM multiplies large batches by."""
+    library = KERNEL.built()
+    outputs, inputs = _check_int4(packed, scales_and_zeros_bits, "int4_dequantize")
+    packed, scales_and_zeros_bits = packed.contiguous(), scales_and_zeros_bits.contiguous()
+    out = packed.new_empty(inputs, outputs, dtype=torch.bfloat16)
+    library.int4_dequantize_bf16(
+        packed.data_ptr(), scales_and_zeros_bits.data_ptr(), out.data_ptr(), outputs, inputs
+    )
+    return out
+
+
+def int4_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros_bits: torch.Tensor
+) -> torch.Tensor:
+    """``x @ dequantize_int4(packed, scales_and_zeros).T`` in float32 for 2-D CPU tensors: ``x``
+    float32 or bfloat16, ``packed`` ``[N, K / 2]`` uint8 in torch's layout (``int4.pack_int4``),
+    the bfloat16 scales and zeros ``[K / 32, N, 2]`` as their int16 bits."""
+    library = KERNEL.built()
+    outputs, inputs = _check_int4(packed, scales_and_zeros_bits, "int4_linear")
     x = _rows(x, inputs, "int4_linear")
     packed, scales_and_zeros_bits = packed.contiguous(), scales_and_zeros_bits.contiguous()
     out = x.new_empty(x.shape[0], outputs)
@@ -136,6 +160,8 @@ _library_fragment.define(
 _library_fragment.impl("int8_linear", int8_linear, "CompositeExplicitAutograd")
 _library_fragment.define("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros) -> Tensor")
 _library_fragment.impl("int4_linear", int4_linear, "CompositeExplicitAutograd")
+_library_fragment.define("int4_dequantize(Tensor packed, Tensor scales_and_zeros) -> Tensor")
+_library_fragment.impl("int4_dequantize", int4_dequantize, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("llmpool::int8_linear")
@@ -148,6 +174,11 @@ def _(
 @torch.library.register_fake("llmpool::int4_linear")
 def _(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0], dtype=torch.float32)
+
+
+@torch.library.register_fake("llmpool::int4_dequantize")
+def _(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return packed.new_empty(2 * packed.shape[1], packed.shape[0], dtype=torch.bfloat16)
 
 
 def int8_op(
@@ -167,3 +198,10 @@ def int4_op(
     if torch.compiler.is_compiling():
         return torch.ops.llmpool.int4_linear(x, packed, scales_and_zeros_bits)
     return int4_linear(x, packed, scales_and_zeros_bits)
+
+
+def int4_dequantize_op(packed: torch.Tensor, scales_and_zeros_bits: torch.Tensor) -> torch.Tensor:
+    """:func:`int4_dequantize`, as the opaque op inside a compiled region."""
+    if torch.compiler.is_compiling():
+        return torch.ops.llmpool.int4_dequantize(packed, scales_and_zeros_bits)
+    return int4_dequantize(packed, scales_and_zeros_bits)

@@ -37,6 +37,13 @@ PACK_BLOCK_SIZES = (64, 32)
 INT4_OUT_MULTIPLE = max(PACK_BLOCK_SIZES)
 INT4_MAX_CODE = 15
 INT4_MID_CODE = 8
+# From this many bfloat16 rows on CPUs with native bfloat16 products, int4 layers multiply
+# their weight dequantized to bfloat16 (``vnni_gemm.int4_dequantize``, per call) in torch's dense
+# GEMM: a step's int4 GEMMs 1.36x faster at 128 rows, 1.52x at 256 and 1.68x at 2,048 than in
+# ``vnni_gemm``'s int4 kernel (1.11x at 64, 0.59x at 16) on a Zen 4 EPYC (python
+# benchmarks/vnni_gemm.py --rows 16 64 128 256 512 2048): dequantizing costs the same at any
+# batch, the kernel's integer products grow with it.
+INT4_DEQUANTIZED_MIN_ROWS = 128
 
 
 def torch_has_int4_cpu_kernel() -> bool:
@@ -139,12 +146,14 @@ class Int4Linear(nn.Module):
     """``y = x @ dequantize(weight).T + bias`` with 4-bit codes and group-wise scales and zeros.
 
     On CPU, rows run ``vnni_gemm``'s kernel where it is built (the rows split into two int8
-    parts, 15 bits): against torch's kernel on SmolLM2's layers 1.2-1.6x from one row to 2,048
+    parts, 15 bits): against torch's kernel on SmolLM2's layers 1.1-1.3x from one row to 2,048
     on a Zen 4 EPYC (python benchmarks/vnni_gemm.py). Otherwise torch's fused kernel runs in
     bfloat16 whatever the activations' dtype: its float32 variant is scalar code (on this
     project's CPU 34x slower than the dense float32 matmul at one row, 700x at 64), while the
     bfloat16 one reads the packed weight once and accumulates in float32. Elsewhere the weight
-    is dequantized per call (the reference path).
+    is dequantized per call (the reference path). Where ``vnni_gemm`` runs on a CPU that
+    multiplies bfloat16 natively, bfloat16 batches of ``INT4_DEQUANTIZED_MIN_ROWS`` or more
+    (prefill) multiply the weight dequantized by its C code, in torch's bfloat16 GEMM.
 
     The scales and zeros are held as the int16 bits of their bfloat16 values, so that
     ``module.to(dtype)`` leaves them alone (as the uint8 codes) and the kernel gets them as they
@@ -172,7 +181,8 @@ class Int4Linear(nn.Module):
 
     def use_kernels(self, kernels: KernelCapabilities) -> None:
         """Plain attributes that a compiled forward reads without tracing a probe: the packed
-        layout's block, whether torch's kernel exists, whether rows run ``vnni_gemm``."""
+        layout's block, whether torch's kernel exists, whether rows run ``vnni_gemm``, whether
+        large bfloat16 batches dequantize."""
         self.pack_block = kernels.int4_pack_block
         self.torch_kernel = kernels.torch_int4
         self.vnni = (
@@ -180,6 +190,7 @@ class Int4Linear(nn.Module):
             and self.group_size == vnni_gemm.INT4_GROUP
             and self.pack_block == vnni_gemm.INT4_BLOCK
         )
+        self.dequantizes = self.vnni and kernels.native_bf16
 
     @classmethod
     def from_float(
@@ -198,7 +209,14 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if x.device.type == "cpu" and self.vnni:
+        if (
+            x.device.type == "cpu"
+            and self.dequantizes
+            and x.dtype == torch.bfloat16
+            and rows.shape[0] >= INT4_DEQUANTIZED_MIN_ROWS
+        ):
+            out = rows @ vnni_gemm.int4_dequantize_op(self.weight, self.scales_and_zeros_bits)
+        elif x.device.type == "cpu" and self.vnni:
             out = vnni_gemm.int4_op(rows, self.weight, self.scales_and_zeros_bits)
         elif x.device.type == "cpu" and self.torch_kernel:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -51,6 +51,10 @@ INT4_WAYS: dict[str, Way] = {
         x.bfloat16(), layer.weight, INT4_GROUP_SIZE, layer.scales_and_zeros
     ),
     "kernel": lambda x, layer: vnni_gemm.int4_linear(x, layer.weight, layer.scales_and_zeros_bits),
+    # what large bfloat16 batches run (int4.INT4_DEQUANTIZED_MIN_ROWS), dequantizing per call
+    "dequantized": lambda x, layer: (
+        x.bfloat16() @ vnni_gemm.int4_dequantize(layer.weight, layer.scales_and_zeros_bits)
+    ),
 }
 
 
