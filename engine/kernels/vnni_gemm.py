@@ -8,7 +8,8 @@ on the rows split into two int8 parts, ``quantization.int8_split_matmul``'s 15 b
 int8 kernel computes that matmul's numbers, so int8 layers give the same result at every batch
 size, and the int4 kernel is ~50x closer to the dequantized product than torch's. The int4
 kernel's rows share each unpacking of the codes, so it stays ahead of torch's at every row
-count (1.1-1.3x from 1 to 2,048 rows on a Zen 4 EPYC), and int4 layers run it at all.
+count (1.0-1.6x from 1 to 2,048 rows on a Zen 4 EPYC); large bfloat16 batches multiply the
+weight dequantized (:func:`int4_dequantize`) in torch's dense GEMM instead.
 """
 
 from __future__ import annotations

@@ -39,10 +39,10 @@ INT4_MAX_CODE = 15
 INT4_MID_CODE = 8
 # From this many bfloat16 rows on CPUs with native bfloat16 products, int4 layers multiply
 # their weight dequantized to bfloat16 (``vnni_gemm.int4_dequantize``, per call) in torch's dense
-# GEMM: a step's int4 GEMMs 1.36x faster at 128 rows, 1.52x at 256 and 1.68x at 2,048 than in
-# ``vnni_gemm``'s int4 kernel (1.11x at 64, 0.59x at 16) on a Zen 4 EPYC (python
-# benchmarks/vnni_gemm.py --rows 16 64 128 256 512 2048): dequantizing costs the same at any
-# batch, the kernel's integer products grow with it.
+# GEMM: a step's int4 GEMMs 1.36x faster at 128 rows, 1.55x at 256 and 1.69x at 2,048 than in
+# ``vnni_gemm``'s int4 kernel (1.10x at 64, 0.61x at 16) on a Zen 4 EPYC (python
+# benchmarks/vnni_gemm.py): dequantizing costs the same at any batch, the kernel's integer
+# products grow with it.
 INT4_DEQUANTIZED_MIN_ROWS = 128
 
 
@@ -146,8 +146,8 @@ class Int4Linear(nn.Module):
     """``y = x @ dequantize(weight).T + bias`` with 4-bit codes and group-wise scales and zeros.
 
     On CPU, rows run ``vnni_gemm``'s kernel where it is built (the rows split into two int8
-    parts, 15 bits): against torch's kernel on SmolLM2's layers 1.1-1.3x from one row to 2,048
-    on a Zen 4 EPYC (python benchmarks/vnni_gemm.py). Otherwise torch's fused kernel runs in
+    parts, 15 bits): against torch's kernel on a step of SmolLM2's layers 1.0-1.6x from one row
+    to 2,048 on a Zen 4 EPYC (python benchmarks/vnni_gemm.py). Otherwise torch's fused kernel runs in
     bfloat16 whatever the activations' dtype: its float32 variant is scalar code (on this
     project's CPU 34x slower than the dense float32 matmul at one row, 700x at 64), while the
     bfloat16 one reads the packed weight once and accumulates in float32. Elsewhere the weight
