@@ -43,7 +43,7 @@ class KernelCapabilities:
     cpu_decoder: bool = False  # cpu_decoder.c: decode steps' layers in one call (those kernels')
     bf16_gemm: bool = False  # bf16_gemm.c is built (AVX-512); whether it runs: ``gemm``
     avx2_gemm: bool = False  # avx2_gemm.c is built (AVX2 and FMA); whether it runs: ``gemm``
-    vnni_gemm: bool = False  # vnni_gemm.c: int8 and int4 decodes (AVX-512 VNNI and VBMI)
+    vnni_gemm: bool = False  # vnni_gemm.c: int8 decodes, int4 GEMMs (AVX-512 VNNI and VBMI)
     torch_int4: bool = False  # torch's own packed int4 CPU kernel exists
     # The CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), so torch's bfloat16 GEMM runs at
     # its full rate: large int4 batches dequantize to it (int4.INT4_DEQUANTIZED_MIN_ROWS).
