@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmpool.engine.cpu_features import cpu_flags
+from llmpool.engine.cpu_features import native_bfloat16_flags
 from llmpool.engine.kernels import (
     avx2_gemm,
     bf16_gemm,
@@ -72,7 +72,7 @@ def probe_kernels(
         avx2_gemm=on_cpu and avx2_gemm.KERNEL.available,
         vnni_gemm=on_cpu and vnni_gemm.KERNEL.available,
         torch_int4=int4.torch_has_int4_cpu_kernel(),
-        native_bf16=on_cpu and bool({"avx512_bf16", "amx_bf16"} & cpu_flags()),
+        native_bf16=on_cpu and bool(native_bfloat16_flags()),
         int4_pack_block=int4.probe_pack_block_n(),
     )
     if not on_cpu or weight_shape is None:

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_vector.h"
+
 #define SPLIT 254.0f
 
 /* amax / 127 (at least the smallest normal float / 127), as int8_split_matmul computes it. */
@@ -312,12 +314,11 @@ void int4_linear(const float *x, const uint8_t *packed, const uint32_t *scales_a
 /* The weight W^T [K, N] as bfloat16 bits, for batches that multiply it in a dense bfloat16 GEMM
  * (int4.INT4_DEQUANTIZED_MIN_ROWS): code * scale + (zero - 8 * scale) in float32, the product
  * exact (4 bits by 8), so one rounding as in int4.dequantize_int4, then rounded to nearest even
- * as torch rounds a float32 to bfloat16. Transposed: a column's 64 outputs of a block sit
+ * as torch rounds a float32 to bfloat16 (cpu_vector.h's vstore_bf16). Transposed: a column's 64 outputs of a block sit
  * together in torch's layout. Operands as int4_linear's. */
 void int4_dequantize_bf16(const uint8_t *packed, const uint32_t *scales_and_zeros, uint16_t *w_t,
                           int64_t N, int64_t K) {
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
     const __m128i nibble = _mm_set1_epi8(0x0f);
 #pragma omp parallel for schedule(static)
     for (int64_t k = 0; k < K; ++k) {
@@ -333,10 +334,7 @@ void int4_dequantize_bf16(const uint8_t *packed, const uint32_t *scales_and_zero
                 const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
                 const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
                 const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
-                const __m512i bits = _mm512_castps_si512(_mm512_fmadd_ps(codes, scale, offset));
-                const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-                const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(round, lsb)), 16);
-                _mm256_storeu_si256((__m256i *)(w_t + k * N + block * BLOCK_N + 16 * q), _mm512_cvtepi32_epi16(rounded));
+                vstore_bf16(w_t + k * N + block * BLOCK_N + 16 * q, _mm512_fmadd_ps(codes, scale, offset));
             }
         }
     }
