@@ -11,7 +11,7 @@ from torch import nn
 
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
-from llmpool.engine.kernels import avx2_gemm, bf16_gemm
+from llmpool.engine.kernels import avx2_gemm, bf16_gemm, cpu_share
 from llmpool.engine.kernels.capabilities import bfloat16_kernel
 from llmpool.engine.models import linear
 from llmpool.engine.models.linear import GemmChoice
@@ -176,6 +176,7 @@ def test_a_bfloat16_engine_runs_the_gemms_its_probes_choose(
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", upcast_probe)
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", kernel_probe)
     monkeypatch.setattr(linear, "probe_float32_kernel", pytest.fail)
+    monkeypatch.setattr(cpu_share, "neighbour_share", lambda run: (run(), 0.0))  # a quiet CPU
     with caplog.at_level(logging.INFO, logger="llmpool.engine.kernels.capabilities"):
         core = EngineCore(
             EngineConfig(dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
@@ -216,6 +217,7 @@ def test_a_float32_engine_probes_the_float32_kernel_alone(
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", pytest.fail)
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", pytest.fail)
     monkeypatch.setattr(linear, "probe_float32_kernel", probe)
+    monkeypatch.setattr(cpu_share, "neighbour_share", lambda run: (run(), 0.0))
     core = EngineCore(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory="16MiB"))
     built = avx2_gemm.KERNEL.available
     shape = core.model.layers[0].gate_up_proj.weight.shape

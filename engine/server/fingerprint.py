@@ -35,6 +35,7 @@ def build_fingerprint(
     )
     folder = core.resolved.folder
     decoder = core.model.cpu_decoder
+    probe = core.kernels.gemm_probe
     observed = {
         "weightsDigest": model_source.weights_digest(folder),
         "tokenizerDigest": model_source.tokenizer_digest(folder),
@@ -47,6 +48,9 @@ def build_fingerprint(
         "attentionBackend": core.backend.name,
         # Which CPU GEMMs run where, timed at start: not part of the pin, as the dtype.
         "gemm": core.kernels.gemm.as_observed(),
+        # How its probes ran: how many times, and how much of the CPUs neighbours used in the
+        # run that chose (a high share: the choice may not be this CPU's; None: not probed).
+        "gemmProbe": None if probe is None else probe.as_observed(),
         # Decode steps of up to this many rows run in the C decoder (None: layer by layer).
         "cDecoderMaxRows": None if decoder is None else decoder.max_rows,
         # How much of the CPU weights and KV cache the kernel backs with 2 MiB pages (None on

@@ -14,6 +14,7 @@ import pytest
 
 from llmpool import pinning
 from llmpool.engine import LLM, SamplingParams, model_source
+from llmpool.engine.kernels import avx2_gemm
 from llmpool.engine.models import linear
 
 MODEL = "smollm2-135m-instruct"
@@ -243,6 +244,9 @@ def test_fingerprint_matches_the_operator_digest(server) -> None:
     assert gemm["bfloat16UpcastMinRows"] is None
     # Decodes run in the C decoder exactly where their GEMMs run in a C kernel.
     assert observed["cDecoderMaxRows"] == gemm["float32KernelMaxRows"]
+    probe = observed["gemmProbe"]  # the float32 kernel's probe ran where the kernel is built
+    assert (probe is None) == (not avx2_gemm.KERNEL.available)
+    assert probe is None or (probe["attempts"] >= 1 and 0 <= probe["neighbourShare"] <= 1)
     pages = observed["hugePages"]  # float32 weights and a KV cache of at most 128 MiB
     assert 4 * 134e6 < pages["bytes"] <= 4 * 135e6 + 128 * 2**20
     assert pages["hugePageBytes"] is not None
