@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -84,7 +84,9 @@ class KernelCapabilities:
     native_bf16: bool = False
     int4_pack_block: int = int4.INT4_OUT_MULTIPLE  # output block of torch's int4 layout
     gemm: GemmChoice = TORCH_GEMMS  # which GEMMs run where
-    gemm_probe: GemmProbe | None = None  # how its probes ran (None: nothing was probed)
+    # How its probes ran (None: nothing was probed): a report, not a capability, so it stays
+    # out of equality and of the repr that keys the compile cache (engine_builder).
+    gemm_probe: GemmProbe | None = field(default=None, compare=False, repr=False)
 
 
 def probe_kernels(
