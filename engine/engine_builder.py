@@ -19,6 +19,7 @@ from llmpool.engine.attention import Backend, check_kv_cache_dtype, select_backe
 from llmpool.engine.background_compile import BackgroundCompile
 from llmpool.engine.compile_cache import CompileCache, CompileReport, cache_root, environment_fields
 from llmpool.engine.config import EngineConfig
+from llmpool.engine.gemm_store import GemmStore
 from llmpool.engine.huge_pages import move_to_huge_pages
 from llmpool.engine.kernels import cpu_decoder
 from llmpool.engine.kernels.capabilities import KernelCapabilities
@@ -129,6 +130,23 @@ class LoadedEngine:
             "kernels": repr(self.kernels),
         }
         return CompileCache(root, fields)
+
+
+def gemm_store(
+    config: EngineConfig, dtype: torch.dtype, gemm_shape: tuple[int, int] | None
+) -> GemmStore | None:
+    """Where a compiling engine keeps its GEMM choice, beside its compile cache, so that its
+    next start and the replicas sharing the cache compile the same graph (``gemm_store``);
+    None without ``--compile``, without the cache, or with no GEMM to choose."""
+    root = cache_root(config.compile_cache_dir)
+    if not config.compile or root is None or gemm_shape is None:
+        return None
+    fields = {
+        **environment_fields(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "weightShape": "x".join(map(str, gemm_shape)),
+    }
+    return GemmStore(root, fields)
 
 
 def read_shape(folder: Path) -> LlamaShape:
@@ -294,7 +312,8 @@ def probe_kernels(
     """Probe, once for this engine, the kernels its layers and backend run, and say which."""
     dense = config.quantization == "none"  # quantized layers have their own kernels
     gemm_shape = (2 * shape.intermediate_size, shape.hidden_size) if dense else None
-    kernels = probe_capabilities(device, dtype, gemm_shape)
+    store = gemm_store(config, dtype, gemm_shape) if device.type == "cpu" else None
+    kernels = probe_capabilities(device, dtype, gemm_shape, store)
     if not dense and device.type == "cpu":
         logger.info(
             "%s decodes on this CPU: %s",

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from llmpool.engine import LLM, SamplingParams, compile_cache
+from llmpool.engine import LLM, SamplingParams, compile_cache, gemm_store
 from llmpool.engine.compile_cache import ARTIFACTS_FILE, KEY_FILE, CompileCache
+from llmpool.engine.kernels.capabilities import GemmProbe
 from llmpool.engine.server.cli import build_parser, engine_config
 
 FIELDS = {
@@ -102,7 +103,9 @@ logging.basicConfig(level=logging.INFO)
 llm = LLM(dtype="float32", compile=True, max_num_batched_tokens=4, compile_cache_dir=sys.argv[1])
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 outputs = llm.generate(json.loads(sys.argv[2]), params)
+probe = llm.engine.kernels.gemm_probe
 print(json.dumps({"report": llm.engine.compile_report.as_dict(),
+                  "gemmProbe": None if probe is None else probe.as_observed(),
                   "tokens": [out.outputs[0].token_ids for out in outputs]}))
 """
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -129,10 +132,15 @@ def test_a_second_start_compiles_from_the_cache_and_generates_what_eager_does(
     cold, log = start_compiled(cache_dir, tmp_path / "inductor-1")
     assert cold["report"]["cache"] == "miss" and cold["tokens"] == expected
     assert "cold: no cached artifacts for key" in log
-    [entry] = cache_dir.iterdir()
+    [entry] = (path for path in cache_dir.iterdir() if path.name != gemm_store.FOLDER)
     assert entry.name == cold["report"]["key"]
 
     warm, log = start_compiled(cache_dir, tmp_path / "inductor-2")
     assert warm["report"] == {**warm["report"], "cache": "hit", "key": entry.name}
     assert warm["tokens"] == expected
     assert "from cached artifacts" in log
+    # Where the first start probed the float32 GEMMs undisturbed, the second ran its choice
+    # (which is in the key: had it chosen otherwise, it would have missed).
+    probe = cold["gemmProbe"]
+    if probe is not None and GemmProbe(probe["attempts"], probe["neighbourShare"]).settled:
+        assert warm["gemmProbe"] == {**probe, "stored": True}

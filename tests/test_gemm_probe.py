@@ -138,7 +138,7 @@ def test_past_its_patience_the_least_disturbed_run_stands_with_a_warning(
     assert answer == answers[1] and probe == GemmProbe(attempts=4, neighbour_share=0.3)
     assert "may not be this CPU's" in caplog.text
     assert "30% of the CPUs used by other processes" in caplog.text
-    assert probe.as_observed() == {"attempts": 4, "neighbourShare": 0.3}
+    assert probe.as_observed() == {"attempts": 4, "neighbourShare": 0.3, "stored": False}
 
 
 def test_how_the_probes_ran_is_no_part_of_the_capabilities_nor_of_the_compile_key() -> None:

@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -32,6 +33,9 @@ from llmpool.engine.kernels import (
 )
 from llmpool.engine.models import int4, linear
 from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice
+
+if TYPE_CHECKING:
+    from llmpool.engine.gemm_store import GemmStore
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +57,34 @@ Choice = tuple[GemmChoice, str]  # a GEMM choice and what its probes measured, i
 @dataclass(frozen=True)
 class GemmProbe:
     """How the GEMM probes ran: how many times (``attempts``), and the share of the CPUs that
-    other processes used during the run whose choice stands (None: ``/proc/stat`` unreadable)."""
+    other processes used during the run whose choice stands (None: ``/proc/stat`` unreadable);
+    ``stored``: they ran at an earlier start, whose choice this one read (``GemmStore``)."""
 
     attempts: int
     neighbour_share: float | None
+    stored: bool = False
 
-    def as_observed(self) -> dict[str, int | float | None]:
+    @property
+    def settled(self) -> bool:
+        """The chosen run had the CPUs to itself (as far as ``/proc/stat`` tells)."""
+        share = self.neighbour_share
+        return share is None or share <= PROBE_NEIGHBOUR_SHARE_MAX
+
+    def as_observed(self) -> dict[str, int | float | bool | None]:
         share = self.neighbour_share
         return {
             "attempts": self.attempts,
             "neighbourShare": None if share is None else round(share, 3),
+            "stored": self.stored,
         }
+
+
+class GemmDecision(NamedTuple):
+    """A GEMM choice, what its probes measured (in words) and how they ran."""
+
+    gemm: GemmChoice
+    says: str
+    probe: GemmProbe
 
 
 @dataclass(frozen=True)
@@ -93,11 +114,12 @@ def probe_kernels(
     device: torch.device,
     dtype: torch.dtype | None = None,
     weight_shape: tuple[int, int] | None = None,
+    store: GemmStore | None = None,
 ) -> KernelCapabilities:
     """The capabilities of an engine on ``device``: on CPU the C kernels are built (or found in
     the cache) now. For a float32 or bfloat16 model on CPU, ``weight_shape`` (the widest dense
     projection; None for quantized layers, which have their own kernels) is the GEMM the choices
-    of ``gemm`` are measured on."""
+    of ``gemm`` are measured on, unless ``store`` holds the choice of an earlier start."""
     on_cpu = device.type == "cpu"
     kernels = KernelCapabilities(
         cpu_decode=on_cpu and cpu_decode.KERNEL.available,
@@ -115,16 +137,59 @@ def probe_kernels(
     if not on_cpu or weight_shape is None:
         return kernels
     if dtype == torch.bfloat16:
-        weight = torch.randn(weight_shape, dtype=torch.bfloat16)
         kernel = bfloat16_kernel(kernels)
-        (gemm, says), probe = undisturbed(lambda: choose_bfloat16_gemm(weight, kernel))
+
+        def choose() -> Choice:
+            return choose_bfloat16_gemm(torch.randn(weight_shape, dtype=torch.bfloat16), kernel)
     elif dtype == torch.float32 and kernels.avx2_gemm:
-        weight = torch.randn(weight_shape)
-        (gemm, says), probe = undisturbed(lambda: choose_float32_gemm(weight))
+
+        def choose() -> Choice:
+            return choose_float32_gemm(torch.randn(weight_shape))
     else:
         return kernels
+    decision = stored_or_probed(choose, store, kernels)
+    return replace(kernels, gemm=decision.gemm, gemm_probe=decision.probe)
+
+
+def stored_or_probed(
+    choose: Callable[[], Choice], store: GemmStore | None, kernels: KernelCapabilities
+) -> GemmDecision:
+    """The choice ``store`` holds where it names kernels built here; else ``choose``'s, probed
+    now (:func:`undisturbed`) and published to ``store`` where the run was settled. A choice
+    another start published first stands instead, also over a run never settled."""
+    stored = None if store is None else store.load()
+    if store is not None and stored is not None:
+        if runs_here(stored.gemm, kernels):
+            logger.info(
+                "%s; the probes ran %s at an earlier start, which stored the choice at %s"
+                " (delete it to probe again)",
+                stored.says, describe(stored.probe), store.path,
+            )  # fmt: skip
+            return stored
+        store.discard(f"it names a kernel not built here ({stored.gemm})")
+    (gemm, says), probe = undisturbed(choose)
     logger.info("%s; the probes ran %s", says, describe(probe))
-    return replace(kernels, gemm=gemm, gemm_probe=probe)
+    decision = GemmDecision(gemm, says, probe)
+    if store is None:
+        return decision
+    # Unsettled, this start's choice is worse than a settled one another start stored meanwhile.
+    taken = store.publish(decision) if probe.settled else store.load() or decision
+    if taken is decision or not runs_here(taken.gemm, kernels):
+        return decision
+    logger.info(
+        "another start stored its GEMM choice at %s first; this one takes it, so that both run"
+        " (and compile) the same GEMMs: %s",
+        store.path, taken.says,
+    )  # fmt: skip
+    return taken
+
+
+def runs_here(gemm: GemmChoice, kernels: KernelCapabilities) -> bool:
+    """Whether every C kernel ``gemm`` chooses is built here."""
+    bfloat16 = gemm.bfloat16_kernel_max_rows is None or gemm.bfloat16_kernel == bfloat16_kernel(
+        kernels
+    )
+    return bfloat16 and (gemm.float32_kernel_max_rows is None or kernels.avx2_gemm)
 
 
 def undisturbed(probe: Callable[[], Choice]) -> tuple[Choice, GemmProbe]:

@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(
         "--compile-cache-dir",
         "where --compile keeps its artifacts between starts (one entry per model, settings,"
-        " torch and CPU); '' or none keeps none; default: $XDG_CACHE_HOME/llmpool/compile, else"
-        " ~/.cache/llmpool/compile",
+        " torch and CPU) and the GEMM choice they were compiled for; '' or none keeps none;"
+        " default: $XDG_CACHE_HOME/llmpool/compile, else ~/.cache/llmpool/compile",
         default=None,
     )
     flags.add(

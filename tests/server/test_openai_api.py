@@ -247,6 +247,7 @@ def test_fingerprint_matches_the_operator_digest(server) -> None:
     probe = observed["gemmProbe"]  # the float32 kernel's probe ran where the kernel is built
     assert (probe is None) == (not avx2_gemm.KERNEL.available)
     assert probe is None or (probe["attempts"] >= 1 and 0 <= probe["neighbourShare"] <= 1)
+    assert probe is None or probe["stored"] is False  # an eager engine keeps no GEMM store
     pages = observed["hugePages"]  # float32 weights and a KV cache of at most 128 MiB
     assert 4 * 134e6 < pages["bytes"] <= 4 * 135e6 + 128 * 2**20
     assert pages["hugePageBytes"] is not None
