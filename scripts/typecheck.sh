@@ -19,6 +19,6 @@ mypy --ignore-missing-imports --follow-imports=silent \
   -m llmpool.engine.attention.torch_backend -m llmpool.engine.attention.cpu_backend -m llmpool.engine.models.linear \
   -m llmpool.engine.admission -m llmpool.engine.sampler -m llmpool.engine.sampling_params \
   -m llmpool.engine.structured_outputs -m llmpool.engine.lora.manager -m llmpool.engine.lora.adapter \
-  -m llmpool.engine.lora.ops -m llmpool.engine.models.int4 -m llmpool.engine.compile_cache \
+  -m llmpool.engine.lora.ops -m llmpool.engine.models.int4 -m llmpool.engine.compile_cache -m llmpool.engine.gemm_store \
   -m llmpool.engine.kernels.c_loader -m llmpool.engine.kernels.capabilities -m llmpool.engine.kernels.cpu_lora \
   -m llmpool.engine.kernels.cpu_decode -m llmpool.engine.kernels.bf16_gemm -m llmpool.engine.kernels.vnni_gemm
