@@ -9,7 +9,8 @@ reports the compile's cache state. The compile runs beside serving (engine/backg
 so each child times two moments: "ready", the engine built and taking requests (eager until the
 compile ends; the ratio to eager is of this one), and "compiled", the compiled decoder in use.
 dynamo's own compile-time breakdown says where the compile's time goes (dynamo tracing vs
-inductor).
+inductor). Each start also says which GEMMs it chose and whether it read that choice from the
+GEMM store beside the cache (``engine/gemm_store.py``): the choice is part of the cache's key.
 
     python benchmarks/compile_cache.py
 """
@@ -39,7 +40,10 @@ seconds = time.monotonic() - started
 core.wait_for_compile()
 compiled = time.monotonic() - started
 times = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+probe = core.kernels.gemm_probe
 print(json.dumps({"seconds": seconds, "compiled_seconds": compiled, "report": core.compile_report.as_dict(),
+                  "gemm": core.kernels.gemm.as_observed(),
+                  "gemmProbe": None if probe is None else probe.as_observed(),
                   "phases": dict(zip(*times)) if config.compile else {}}))
 """
 # dynamo's phases that say where a compiled start's time goes.
@@ -85,7 +89,9 @@ def run(settings: dict[str, Any], scratch: Path) -> dict[str, Any]:
         starts[name] = measured
         print(
             f"{name:>10}: ready {measured['seconds']:7.1f} s  {measured['ratio_to_eager']:6.2f}x"
-            f" eager  compiled {measured['compiled_seconds']:7.1f} s  cache {measured['report']['cache']:<4}  {measured['phases']}",
+            f" eager  compiled {measured['compiled_seconds']:7.1f} s  cache {measured['report']['cache']:<4}"
+            f"  GEMM choice {'stored' if (measured['gemmProbe'] or {}).get('stored') else 'probed'}"
+            f"  {measured['phases']}",
             flush=True,
         )
     return starts
