@@ -107,13 +107,14 @@ class GemmStore:
                 json.dump(record, file, indent=1, sort_keys=True)
             try:
                 os.link(staging, self.path)
-                return choice
             except FileExistsError:
                 stored = self.load()
                 if stored is not None:
                     return stored
                 os.replace(staging, self.path)
-                return choice
+            except OSError:  # a volume without hard links (SMB): the last to publish wins
+                os.replace(staging, self.path)
+            return choice
         except OSError as error:
             logger.warning("GEMM choice not stored at %s: %s", self.path, error)
             return choice

@@ -18,7 +18,7 @@ from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_builder import gemm_store as engine_gemm_store
 from llmpool.engine.engine_builder import probe_kernels as engine_probe_kernels
 from llmpool.engine.gemm_store import GemmStore
-from llmpool.engine.kernels import capabilities
+from llmpool.engine.kernels import capabilities, cpu_share
 from llmpool.engine.kernels.capabilities import (
     GemmDecision,
     GemmProbe,
@@ -61,6 +61,19 @@ def test_the_first_choice_published_stands_for_every_later_publisher(tmp_path: P
     taken = second.publish(OTHER)
     assert taken.gemm == CHOSEN.gemm and taken.probe.stored
     assert first.load().gemm == CHOSEN.gemm  # type: ignore[union-attr]
+
+
+def test_a_volume_without_hard_links_still_keeps_the_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(source: str, target: str) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(gemm_store.os, "link", no_links)
+    store = GemmStore(tmp_path, FIELDS)
+    assert store.publish(CHOSEN) is CHOSEN
+    assert store.load().gemm == CHOSEN.gemm  # type: ignore[union-attr]
+    assert [p.name for p in store.path.parent.iterdir()] == [store.path.name]
 
 
 @pytest.mark.parametrize(
@@ -209,9 +222,13 @@ def test_only_a_compiling_engine_with_a_cache_keeps_a_store(tmp_path: Path) -> N
     assert engine_gemm_store(compiling, torch.bfloat16, None) is None  # quantized layers
 
 
-def test_a_compiling_engines_second_start_takes_the_first_ones_choice(tmp_path: Path) -> None:
+def test_a_compiling_engines_second_start_takes_the_first_ones_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The real probes, as ``LoadedEngine`` runs them: the first start probes and stores, the
-    second reads the choice."""
+    second reads the choice. The neighbours' share is pinned to none, so that a busy machine
+    does not keep the first start from storing (``undisturbed`` is tested on its own)."""
+    monkeypatch.setattr(cpu_share, "neighbour_share", lambda run: (run(), 0.0))
     config = EngineConfig(compile=True, compile_cache_dir=str(tmp_path))
     cpu = torch.device("cpu")
     first = engine_probe_kernels(config, SHAPE, cpu, torch.bfloat16)
