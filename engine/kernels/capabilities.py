@@ -157,8 +157,7 @@ def stored_or_probed(
     """The choice ``store`` holds where it names kernels built here; else ``choose``'s, probed
     now (:func:`undisturbed`) and published to ``store`` where the run was settled. A choice
     another start published first stands instead, also over a run never settled."""
-    stored = None if store is None else store.load()
-    if store is not None and stored is not None:
+    if store is not None and (stored := store.load()) is not None:
         if runs_here(stored.gemm, kernels):
             logger.info(
                 "%s; the probes ran %s at an earlier start, which stored the choice at %s"
@@ -186,10 +185,10 @@ def stored_or_probed(
 
 def runs_here(gemm: GemmChoice, kernels: KernelCapabilities) -> bool:
     """Whether every C kernel ``gemm`` chooses is built here."""
-    bfloat16 = gemm.bfloat16_kernel_max_rows is None or gemm.bfloat16_kernel == bfloat16_kernel(
-        kernels
+    kernel = bfloat16_kernel(kernels)
+    return (gemm.bfloat16_kernel_max_rows is None or gemm.bfloat16_kernel == kernel) and (
+        gemm.float32_kernel_max_rows is None or kernels.avx2_gemm
     )
-    return bfloat16 and (gemm.float32_kernel_max_rows is None or kernels.avx2_gemm)
 
 
 def undisturbed(probe: Callable[[], Choice]) -> tuple[Choice, GemmProbe]:
