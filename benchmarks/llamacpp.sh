@@ -22,6 +22,10 @@
 # GGML_NATIVE is off (a -march=native build can fail on these VMs) and the instruction-set flags
 # come from /proc/cpuinfo, so the binary never uses AVX-512 on an AVX2-only machine; the cache
 # directory is keyed by the version and those flags, so a binary built elsewhere is not reused.
+# ggml's AMX kernels (GGML_AMX_*, for Q4_1 and the other small quantized types) stay off: in this
+# version they die of SIGILL at their first tile instruction on an AMX Xeon (the worker threads'
+# tile permission and config are not set up: llama.cpp pull request 26954), so on AMX CPUs the
+# Q4_1 peer runs its AVX-512 VNNI kernels.
 set -euo pipefail
 shopt -s inherit_errexit  # a failure inside $(...) stops the script too
 

@@ -259,8 +259,8 @@ def choose_bfloat16_gemm(weight: torch.Tensor, kernel_name: str | None) -> Choic
     Measured on ``weight``, so that the choice follows the CPU (this project's Intel Xeon
     without AMX: the AVX-512 kernel ~1.7x as fast at 16 rows, float32 1.3-1.6x at prefill sizes;
     a Zen 4 EPYC, where the kernel multiplies with AVX-512 BF16's dot product: the kernel ahead
-    up to 64 or 128 rows, oneDNN's bfloat16 level from 256 and at prefill sizes; where oneDNN's
-    bfloat16 GEMM is the faster throughout, as with AMX, it stays).
+    up to 64 or 128 rows, oneDNN's bfloat16 level from 256 and at prefill sizes; an Intel Xeon
+    with AMX, where oneDNN multiplies on AMX tiles: the kernel up to 8 rows, torch's from 16).
     """
     if kernel_name is not None:
         kernel_max_rows, kernel_says = bfloat16_kernel_rows(weight, kernel_name)
