@@ -19,6 +19,7 @@ import torch
 
 from llmpool.engine.kernels import capabilities, cpu_share
 from llmpool.engine.kernels.capabilities import (
+    GemmDecision,
     GemmProbe,
     KernelCapabilities,
     bfloat16_kernel,
@@ -74,6 +75,11 @@ def test_neighbour_share_leaves_out_this_process_and_counts_the_others() -> None
         _, crowded = cpu_share.neighbour_share(lambda: spin(1.0))
     # Each CPU had a hog, and this process's own thread took part of one.
     assert crowded is not None and crowded > 0.5
+
+
+CHOSEN_ELSEWHERE = GemmDecision(
+    GemmChoice(bfloat16_kernel_max_rows=64), "stored", GemmProbe(1, 0.0)
+)
 
 
 class Clock:
@@ -139,6 +145,21 @@ def test_past_its_patience_the_least_disturbed_run_stands_with_a_warning(
     assert "may not be this CPU's" in caplog.text
     assert "30% of the CPUs used by other processes" in caplog.text
     assert probe.as_observed() == {"attempts": 4, "neighbourShare": 0.3, "stored": False}
+
+
+def test_a_disturbed_probe_stops_once_another_start_stored_a_choice(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replicas starting together: this one's probes never settle, another's did and stored
+    its choice after this one's first run; the second run is the last, without a warning."""
+    answers, clock = probe_answers(monkeypatch, [0.6, 0.5, 0.7])
+    looks = iter([None, CHOSEN_ELSEWHERE])
+    with caplog.at_level(logging.INFO, logger=capabilities.__name__):
+        answer, probe = capabilities.undisturbed(pytest.fail, stored_meanwhile=lambda: next(looks))
+    assert answer == answers[1] and probe == GemmProbe(attempts=2, neighbour_share=0.5)
+    assert len(clock.pauses) == 1
+    assert "another start stored its choice meanwhile" in caplog.text
+    assert "may not be this CPU's" not in caplog.text
 
 
 def test_how_the_probes_ran_is_no_part_of_the_capabilities_nor_of_the_compile_key() -> None:

@@ -120,7 +120,7 @@ def probed(monkeypatch: pytest.MonkeyPatch, decision: GemmDecision) -> list[int]
     """Make ``undisturbed`` answer ``decision``; the list counts its calls."""
     calls: list[int] = []
 
-    def undisturbed(choose):  # type: ignore[no-untyped-def]
+    def undisturbed(choose, stored_meanwhile=None):  # type: ignore[no-untyped-def]
         calls.append(1)
         return (decision.gemm, decision.says), decision.probe
 
@@ -197,6 +197,27 @@ def test_a_start_whose_probes_never_settled_takes_a_choice_stored_meanwhile(
     probed(monkeypatch, OTHER._replace(probe=GemmProbe(5, 0.4)))
     decision = stored_or_probed(pytest.fail, _LoadedBeforeTheOther(tmp_path), BF16_BUILT)
     assert decision.gemm == CHOSEN.gemm and decision.probe.stored
+
+
+def test_a_start_beside_busy_neighbours_stops_probing_once_another_stored_a_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replicas starting together: this one's probes never settle (real ``undisturbed``, the
+    neighbours' share pinned at 60%), and another published its choice while the first ran;
+    this one takes it after one run instead of probing out its patience."""
+    monkeypatch.setattr(cpu_share, "neighbour_share", lambda run: (run(), 0.6))
+    monkeypatch.setattr(capabilities, "PROBE_PATIENCE_S", 600.0)
+    runs: list[int] = []
+
+    def choose() -> capabilities.Choice:
+        runs.append(1)
+        return OTHER.gemm, OTHER.says
+
+    GemmStore(tmp_path, FIELDS).publish(CHOSEN)
+    with caplog.at_level(logging.INFO, logger=capabilities.__name__):
+        decision = stored_or_probed(choose, _LoadedBeforeTheOther(tmp_path), BF16_BUILT)
+    assert (decision.gemm, decision.probe.stored, runs) == (CHOSEN.gemm, True, [1])
+    assert "another start stored its choice meanwhile" in caplog.text
 
 
 # SmolLM2-135M's (only the sizes of its gate and up projections matter here).

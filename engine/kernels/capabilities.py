@@ -156,7 +156,8 @@ def stored_or_probed(
 ) -> GemmDecision:
     """The choice ``store`` holds where it names kernels built here; else ``choose``'s, probed
     now (:func:`undisturbed`) and published to ``store`` where the run was settled. A choice
-    another start published first stands instead, also over a run never settled."""
+    another start published first stands instead, also over a run never settled (whose probes
+    stop as soon as one is stored)."""
     if store is not None and (stored := store.load()) is not None:
         if runs_here(stored.gemm, kernels):
             logger.info(
@@ -166,13 +167,15 @@ def stored_or_probed(
             )  # fmt: skip
             return stored
         store.discard(f"it names a kernel not built here ({stored.gemm})")
-    (gemm, says), probe = undisturbed(choose)
+    (gemm, says), probe = undisturbed(
+        choose, stored_meanwhile=None if store is None else lambda: stored_here(store, kernels)
+    )
     logger.info("%s; the probes ran %s", says, describe(probe))
     decision = GemmDecision(gemm, says, probe)
     if store is None:
         return decision
     # Unsettled, this start's choice is worse than a settled one another start stored meanwhile.
-    taken = store.publish(decision) if probe.settled else store.load() or decision
+    taken = store.publish(decision) if probe.settled else stored_here(store, kernels) or decision
     if taken is decision or not runs_here(taken.gemm, kernels):
         return decision
     logger.info(
@@ -183,6 +186,12 @@ def stored_or_probed(
     return taken
 
 
+def stored_here(store: GemmStore, kernels: KernelCapabilities) -> GemmDecision | None:
+    """The choice ``store`` holds now, where it names kernels built here."""
+    stored = store.load()
+    return stored if stored is not None and runs_here(stored.gemm, kernels) else None
+
+
 def runs_here(gemm: GemmChoice, kernels: KernelCapabilities) -> bool:
     """Whether every C kernel ``gemm`` chooses is built here."""
     kernel = bfloat16_kernel(kernels)
@@ -191,11 +200,14 @@ def runs_here(gemm: GemmChoice, kernels: KernelCapabilities) -> bool:
     )
 
 
-def undisturbed(probe: Callable[[], Choice]) -> tuple[Choice, GemmProbe]:
+def undisturbed(
+    probe: Callable[[], Choice], stored_meanwhile: Callable[[], GemmDecision | None] | None = None
+) -> tuple[Choice, GemmProbe]:
     """``probe()``'s answer from a run that had the CPUs to itself: it runs again after a random
     pause (``PROBE_PAUSE_S``) while other processes used more than ``PROBE_NEIGHBOUR_SHARE_MAX``
     of the CPUs, for up to ``PROBE_PATIENCE_S``; past that the least disturbed run's answer
-    stands, with a warning."""
+    stands, with a warning. It stands at once where ``stored_meanwhile()`` finds a choice
+    another start stored (replicas starting together): the caller takes that one instead."""
     deadline = time.monotonic() + PROBE_PATIENCE_S
     runs: list[tuple[float, Choice]] = []
     while True:
@@ -203,6 +215,13 @@ def undisturbed(probe: Callable[[], Choice]) -> tuple[Choice, GemmProbe]:
         if share is None or share <= PROBE_NEIGHBOUR_SHARE_MAX:
             return answer, GemmProbe(len(runs) + 1, share)
         runs.append((share, answer))
+        if stored_meanwhile is not None and stored_meanwhile():
+            logger.info(
+                "GEMM probe %d: other processes used %.0f%% of the CPUs while it ran; another"
+                " start stored its choice meanwhile, so this one probes no more",
+                len(runs), 100 * share,
+            )  # fmt: skip
+            return least_disturbed(runs)
         if time.monotonic() >= deadline:
             break
         logger.info(
@@ -210,14 +229,19 @@ def undisturbed(probe: Callable[[], Choice]) -> tuple[Choice, GemmProbe]:
             len(runs), 100 * share,
         )  # fmt: skip
         time.sleep(random.uniform(*PROBE_PAUSE_S))
-    share, answer = min(runs, key=lambda run: run[0])
-    probe_run = GemmProbe(len(runs), share)
+    answer, probe_run = least_disturbed(runs)
     logger.warning(
         "the GEMM probes shared the CPUs with other processes for %.0f s (%s): the choice below"
         " may not be this CPU's; a restart on a quieter node probes again",
         PROBE_PATIENCE_S, describe(probe_run),
     )  # fmt: skip
     return answer, probe_run
+
+
+def least_disturbed(runs: list[tuple[float, Choice]]) -> tuple[Choice, GemmProbe]:
+    """The answer of the run that other processes disturbed least, of ``runs`` (share, answer)."""
+    share, answer = min(runs, key=lambda run: run[0])
+    return answer, GemmProbe(len(runs), share)
 
 
 def describe(probe: GemmProbe) -> str:
