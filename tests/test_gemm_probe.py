@@ -25,6 +25,7 @@ from llmpool.engine.kernels.capabilities import (
     bfloat16_kernel,
     probe_kernels,
 )
+from llmpool.engine.models import linear
 from llmpool.engine.models.linear import GemmChoice
 
 STAT = """cpu  900 90 900 9000 90 9 9 9 50 0
@@ -215,3 +216,32 @@ def test_engines_probing_together_beside_busy_neighbours_choose_as_a_quiet_one()
         # Decode rows run in the C kernel, as the quiet probe chose (how far up it reaches sits
         # near the 1.1x threshold even on a quiet CPU, so the rows themselves may differ).
         assert max_rows is not None
+
+
+@pytest.mark.parametrize(
+    ("speedups", "in_c_decoder", "max_rows"),
+    [
+        ({8: 1.4, 16: 0.7, 32: 0.9}, False, 8),  # layer by layer: 1.1x or more
+        ({8: 1.4, 16: 0.7, 32: 0.9}, True, 16),  # a decode step of up to 16 rows in one C call
+        ({8: 1.4, 16: 0.5}, True, 8),  # too slow even so
+        ({8: 2.0, 16: 2.0, 32: 1.0}, True, 16),  # past 16 rows the bar is 1.1x again
+    ],
+)
+def test_the_kernel_takes_the_rows_a_c_decoder_step_gains_on(
+    monkeypatch: pytest.MonkeyPatch, speedups: dict[int, float], in_c_decoder: bool, max_rows: int
+) -> None:
+    """An Intel Xeon with AMX: oneDNN's GEMM outruns the kernel at 16 rows, yet a decode step of
+    16 requests runs 1.23x as fast in the C decoder (whose GEMMs are the kernel's)."""
+    monkeypatch.setattr(linear, "streamed", lambda weight: [weight])
+    monkeypatch.setattr(
+        linear, "probe_bfloat16_kernel", lambda weights, kernel, rows: speedups[rows]
+    )
+    rows, says = capabilities.bfloat16_kernel_rows(torch.zeros(4, 4), "bf16_gemm", in_c_decoder)
+    assert rows == max_rows
+    assert ("in one C call" in says) == in_c_decoder
+
+
+def test_the_probe_knows_whether_decode_steps_run_in_c() -> None:
+    built = KernelCapabilities(cpu_decoder=True, cpu_decode=True, cpu_layer_ops=True)
+    assert capabilities.decodes_in_c(built)
+    assert not capabilities.decodes_in_c(replace(built, cpu_layer_ops=False))

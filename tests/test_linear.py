@@ -12,7 +12,7 @@ from torch import nn
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.kernels import avx2_gemm, bf16_gemm, cpu_share
-from llmpool.engine.kernels.capabilities import bfloat16_kernel
+from llmpool.engine.kernels.capabilities import bfloat16_kernel, decodes_in_c
 from llmpool.engine.models import linear
 from llmpool.engine.models.linear import GemmChoice
 from tests.conftest import needs_cpu
@@ -149,7 +149,9 @@ def test_a_probe_streams_copies_of_its_weight_past_the_cache() -> None:
     [
         ({8: 2.0, 16: 2.0, 32: 2.0, 64: 2.0, 128: 2.0}, 128, 2.0, 128),  # the Xeon without AMX
         ({8: 1.5, 16: 1.2, 32: 0.9}, 16, 0.4, None),  # a Zen 4 EPYC
-        ({8: 1.0}, None, 1.0, None),  # AMX: oneDNN throughout
+        ({8: 0.5}, None, 1.0, None),  # oneDNN throughout
+        # An Intel Xeon with AMX: up to 16 rows, as its decode steps run in the C decoder.
+        ({8: 1.45, 16: 0.75, 32: 0.57}, 16, 0.18, None),
     ],
 )
 def test_a_bfloat16_engine_runs_the_gemms_its_probes_choose(
@@ -182,6 +184,9 @@ def test_a_bfloat16_engine_runs_the_gemms_its_probes_choose(
             EngineConfig(dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
         )
     kernel = bfloat16_kernel(core.kernels)
+    in_c_decoder_only = kernel_rows == 16 and kernel_speedups[16] < 1.1  # the AMX case
+    if in_c_decoder_only and not decodes_in_c(core.kernels):
+        pytest.skip("the C decoder is not built here (it needs AVX2 and a C compiler)")
     shape = core.model.layers[0].gate_up_proj.weight.shape
     climbed = [(kernel, shape, rows) for rows in kernel_speedups] if kernel else []
     assert probed == [*climbed, ("upcast", shape, None)]

@@ -140,7 +140,8 @@ def probe_kernels(
         kernel = bfloat16_kernel(kernels)
 
         def choose() -> Choice:
-            return choose_bfloat16_gemm(torch.randn(weight_shape, dtype=torch.bfloat16), kernel)
+            weight = torch.randn(weight_shape, dtype=torch.bfloat16)
+            return choose_bfloat16_gemm(weight, kernel, decodes_in_c(kernels))
     elif dtype == torch.float32 and kernels.avx2_gemm:
 
         def choose() -> Choice:
@@ -276,7 +277,14 @@ def choose_float32_gemm(weight: torch.Tensor) -> Choice:
     return GemmChoice(float32_kernel_max_rows=rows if kernel else None), says
 
 
-def choose_bfloat16_gemm(weight: torch.Tensor, kernel_name: str | None) -> Choice:
+def decodes_in_c(kernels: KernelCapabilities) -> bool:
+    """Whether the C decoder is built here (``cpu_decoder.for_model`` says whether it runs)."""
+    return kernels.cpu_decoder and kernels.cpu_decode and kernels.cpu_layer_ops
+
+
+def choose_bfloat16_gemm(
+    weight: torch.Tensor, kernel_name: str | None, in_c_decoder: bool = False
+) -> Choice:
     """This CPU's faster bfloat16 GEMMs: a C kernel (``kernel_name``, None where none is built)
     for decode rows, float32 for prefill rows.
 
@@ -284,10 +292,11 @@ def choose_bfloat16_gemm(weight: torch.Tensor, kernel_name: str | None) -> Choic
     without AMX: the AVX-512 kernel ~1.7x as fast at 16 rows, float32 1.3-1.6x at prefill sizes;
     a Zen 4 EPYC, where the kernel multiplies with AVX-512 BF16's dot product: the kernel ahead
     up to 64 or 128 rows, oneDNN's bfloat16 level from 256 and at prefill sizes; an Intel Xeon
-    with AMX, where oneDNN multiplies on AMX tiles: the kernel up to 8 rows, torch's from 16).
+    with AMX, where oneDNN multiplies on AMX tiles: the kernel up to 16 rows, as its decode
+    steps run in the C decoder, though oneDNN's GEMM alone is the faster from 16).
     """
     if kernel_name is not None:
-        kernel_max_rows, kernel_says = bfloat16_kernel_rows(weight, kernel_name)
+        kernel_max_rows, kernel_says = bfloat16_kernel_rows(weight, kernel_name, in_c_decoder)
         says = [kernel_says]
     else:
         kernel_max_rows, says = None, ["no C kernel (it needs AVX2 or AVX-512, and a C compiler)"]
@@ -306,19 +315,34 @@ def choose_bfloat16_gemm(weight: torch.Tensor, kernel_name: str | None) -> Choic
     return choice, f"bfloat16 GEMMs on this CPU: {'; '.join(says)}"
 
 
-def bfloat16_kernel_rows(weight: torch.Tensor, kernel_name: str) -> tuple[int | None, str]:
+def bfloat16_kernel_rows(
+    weight: torch.Tensor, kernel_name: str, in_c_decoder: bool = False
+) -> tuple[int | None, str]:
     """Up to how many rows the C kernel ``kernel_name`` runs bfloat16 GEMMs (None: never), and
     what the probe measured: it climbs ``BFLOAT16_KERNEL_PROBE_ROWS`` on streamed copies of
-    ``weight`` until the kernel no longer wins by ``BFLOAT16_KERNEL_MIN_SPEEDUP``."""
+    ``weight`` until the kernel no longer wins by ``BFLOAT16_KERNEL_MIN_SPEEDUP``; where decode
+    steps run in the C decoder (``in_c_decoder``), up to ``BFLOAT16_DECODER_ROWS`` rows it need
+    only keep ``BFLOAT16_DECODER_MIN_SPEEDUP`` of torch's rate."""
     weights = linear.streamed(weight)
     max_rows, measured = None, []
     for rows in linear.BFLOAT16_KERNEL_PROBE_ROWS:
         speedup = linear.probe_bfloat16_kernel(weights, kernel_name, rows)
         measured.append(f"{rows} rows {speedup:.2f}x")
-        if speedup < linear.BFLOAT16_KERNEL_MIN_SPEEDUP:
+        in_one_call = in_c_decoder and rows <= linear.BFLOAT16_DECODER_ROWS
+        bar = (
+            linear.BFLOAT16_DECODER_MIN_SPEEDUP
+            if in_one_call
+            else linear.BFLOAT16_KERNEL_MIN_SPEEDUP
+        )
+        if speedup < bar:
             break
         max_rows = rows
     verdict = "stay in torch" if max_rows is None else f"of up to {max_rows} rows run in it"
+    if in_c_decoder:
+        verdict += (
+            f" (a decode step of up to {linear.BFLOAT16_DECODER_ROWS} rows runs in one C call,"
+            f" so there {linear.BFLOAT16_DECODER_MIN_SPEEDUP}x suffices)"
+        )
     return (
         max_rows,
         f"the C kernel ({kernel_name}) runs {', '.join(measured)} as fast, so GEMMs {verdict}",

@@ -54,6 +54,14 @@ BFLOAT16_UPCAST_MIN_SPEEDUP = 1.2
 BFLOAT16_KERNEL_MAX_ROWS = 128
 BFLOAT16_KERNEL_PROBE_ROWS = (8, 16, 32, 64, BFLOAT16_KERNEL_MAX_ROWS)
 BFLOAT16_KERNEL_MIN_SPEEDUP = 1.1
+# Where the C decoder is built (``cpu_decoder``), a decode step of up to this many requests runs
+# in one C call, which saves the step's per-layer dispatch: there the kernel also takes GEMMs of
+# up to this many rows while it keeps BFLOAT16_DECODER_MIN_SPEEDUP of torch's rate. An Intel Xeon
+# with AMX, whose oneDNN GEMM outruns the kernel from 16 rows (the probe: 0.67-0.91x there),
+# decodes 9, 12 and 16 requests 1.49x, 1.46x and 1.23x as fast that way as layer by layer (32
+# with the kernel up to 32 rows, 0.57x at 32: 0.91x, so no further).
+BFLOAT16_DECODER_ROWS = 16
+BFLOAT16_DECODER_MIN_SPEEDUP = 0.6
 # The few-row probes stream their weight from memory as a step does: copies of it totalling at
 # least this much, twice a 2-core EPYC's last-level cache, are multiplied in turn. A probe on one
 # weight that stays in cache answers another question: on that EPYC it put the AVX-512 kernel at
