@@ -74,17 +74,21 @@ def test_bfloat16_from_the_threshold_runs_in_float32_and_is_no_less_exact(rows: 
 
 
 @needs_kernel
-@pytest.mark.parametrize("build", ["this CPU's", "widening"])
+@pytest.mark.parametrize("build", ["this CPU's", *bf16_gemm.NARROWER_BUILDS])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 64, 256])
-@pytest.mark.parametrize(("inputs", "outputs"), [(576, 320), (1536, 7), (100, 4), (31, 5)])
+@pytest.mark.parametrize(
+    ("inputs", "outputs"), [(576, 320), (1536, 40), (1536, 7), (100, 4), (31, 5)]
+)
 def test_the_kernel_is_the_float32_product_rounded_to_bfloat16(
     build: str, rows: int, inputs: int, outputs: int
 ) -> None:
     """Every tile shape: the few-row paths (1-2 rows widening, 1-4 with vdpbf16ps) and 4-row
     tiles with remainders, outputs past a multiple of 4, inputs of whole 32-element chunks, a
-    tail, and a tail alone; in both builds (the same one on CPUs without AVX-512 BF16)."""
+    tail, and a tail alone; on AMX, tiles of 16 x rows in groups of up to 4 with a part-filled
+    last tile, and outputs past whole 16-row blocks; in every build this CPU runs (a narrower
+    build that is this CPU's own is tested again)."""
     x, weight, _ = operands(rows, torch.bfloat16, inputs, outputs)
-    library = bf16_gemm.widening_build() if build == "widening" else None
+    library = None if build == "this CPU's" else bf16_gemm.narrower_build(build)
     out = bf16_gemm.bf16_linear(x, weight, library)
     assert out.dtype == torch.bfloat16
     assert out.shape == (rows, outputs)
@@ -150,7 +154,8 @@ def test_a_probe_streams_copies_of_its_weight_past_the_cache() -> None:
         ({8: 2.0, 16: 2.0, 32: 2.0, 64: 2.0, 128: 2.0}, 128, 2.0, 128),  # the Xeon without AMX
         ({8: 1.5, 16: 1.2, 32: 0.9}, 16, 0.4, None),  # a Zen 4 EPYC
         ({8: 0.5}, None, 1.0, None),  # oneDNN throughout
-        # An Intel Xeon with AMX: up to 16 rows, as its decode steps run in the C decoder.
+        # The kernel's vdpbf16ps build on an Intel Xeon with AMX (Linux refusing it the tiles):
+        # up to 16 rows, as its decode steps run in the C decoder.
         ({8: 1.45, 16: 0.75, 32: 0.57}, 16, 0.18, None),
     ],
 )

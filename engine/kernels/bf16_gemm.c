@@ -264,8 +264,150 @@ static void widened_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, in
 }
 #endif
 
+#ifdef __AMX_BF16__
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX tiles: tdpbf16ps multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one into 16 x 16 float32
+ * sums, 16K flops an instruction. The weight is tile A as it lies in memory (16 consecutive weight
+ * rows, 32 of K each: one row of the tile is 64 bytes of a weight row), so it needs no repacking;
+ * x goes into tile B, which holds pairs of K (VNNI): x is rearranged once per call into such
+ * tiles (`pairs`), 16 x rows a tile, zeros past M. The sums of 16 outputs for 16 x rows come out
+ * as C [output][x row] and are stored transposed into y. A work item is 16 weight rows against
+ * all of x, in groups of up to AMX_CHUNKS tiles of x rows (the weight tile loaded once a group).
+ * Used where K is whole 32-element chunks and for the outputs of whole 16-row blocks; the rest
+ * runs in dp_linear's code. */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_CHUNKS 4 /* tiles of 16 x rows per group: tmm0-3 the sums, tmm4 the weight, tmm5 x */
+#define AMX_MIN_ROWS 2 /* x rows from which the tiles run (1 row: dp_few_rows streams as fast) */
+
+/* Linux hands out the tile data state only on request: once for the process, for every thread. */
+static int amx_permitted(void) {
+    static int permitted = -1; /* racing threads compute and store the same answer */
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return permitted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+/* Tile registers are per thread: each thread of the team configures its own. */
+static void configure_tiles(void) {
+    tile_config_t config = { .palette = 1 };
+    for (int t = 0; t <= 5; ++t) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* x [M, K] as tiles B: pairs[chunk][kc] is 16 rows (pairs of K) of 16 dwords (x rows), 1 KB. */
+static void pair_up(const uint16_t *x, uint32_t *pairs, int64_t M, int64_t K, int64_t chunks) {
+    const int64_t kcs = K / 32;
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < chunks * kcs; ++block) {
+        const int64_t chunk = block / kcs, kc = block % kcs;
+        uint32_t *tile = pairs + block * 256;
+        for (int64_t m = 0; m < 16; ++m) {
+            const int64_t row = chunk * 16 + m;
+            if (row >= M) {
+                for (int64_t p = 0; p < 16; ++p) tile[p * 16 + m] = 0;
+                continue;
+            }
+            const uint32_t *from = (const uint32_t *)(x + row * K + kc * 32);
+            for (int64_t p = 0; p < 16; ++p) tile[p * 16 + m] = from[p];
+        }
+    }
+}
+
+/* C tile `t` (16 outputs from col, for x rows from row) into y, rounded to bfloat16. */
+static void store_sums(float *sums, uint16_t *y, int64_t row, int64_t M, int64_t col, int64_t N) {
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int64_t m = 0; m < 16 && row + m < M; ++m) {
+        const __m512 value = _mm512_i32gather_ps(column, sums + m, 4);
+        const __m512i bits = _mm512_castps_si512(value);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+        const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+        const __m512i result = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), quiet_nan);
+        _mm256_storeu_si256((__m256i *)(y + (row + m) * N + col), _mm512_cvtepi32_epi16(result));
+    }
+}
+
+#define AMX_STORE(t)                                                                           \
+    if (t < chunks) {                                                                          \
+        _tile_stored(t, sums, 64);                                                             \
+        store_sums(sums, y, (group + t) * 16, M, col, N);                                      \
+    }
+#define AMX_MULTIPLY(t)                                                                        \
+    if (t < chunks) {                                                                          \
+        _tile_loadd(5, pairs + ((group + t) * kcs + kc) * 256, 64);                            \
+        _tile_dpbf16ps(t, 4, 5);                                                               \
+    }
+
+/* 16 weight rows from col against tiles group .. group + chunks - 1 of x. `chunks` is a constant
+ * where amx_block_of() inlines this. */
+static inline __attribute__((always_inline)) void amx_block(const uint32_t *pairs, const uint16_t *w, uint16_t *y,
+                                                            const int chunks, int64_t group, int64_t M,
+                                                            int64_t col, int64_t N, int64_t K) {
+    const int64_t kcs = K / 32;
+    float sums[256] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kc = 0; kc < kcs; ++kc) {
+        _tile_loadd(4, w + col * K + kc * 32, K * 2);
+        AMX_MULTIPLY(0) AMX_MULTIPLY(1) AMX_MULTIPLY(2) AMX_MULTIPLY(3)
+    }
+    AMX_STORE(0) AMX_STORE(1) AMX_STORE(2) AMX_STORE(3)
+}
+
+static void amx_block_of(const uint32_t *pairs, const uint16_t *w, uint16_t *y, int64_t chunks,
+                         int64_t group, int64_t M, int64_t col, int64_t N, int64_t K) {
+    switch (chunks) {
+    case 1: amx_block(pairs, w, y, 1, group, M, col, N, K); break;
+    case 2: amx_block(pairs, w, y, 2, group, M, col, N, K); break;
+    case 3: amx_block(pairs, w, y, 3, group, M, col, N, K); break;
+    default: amx_block(pairs, w, y, 4, group, M, col, N, K); break;
+    }
+}
+
+static void amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t chunks = (M + 15) / 16, blocks = N / 16, tail = N - blocks * 16;
+    uint32_t *pairs = aligned_alloc(64, (size_t)(chunks * K * 16) * sizeof(uint32_t));
+    if (pairs == NULL) abort();
+#pragma omp parallel
+    {
+        pair_up(x, pairs, M, K, chunks); /* ends in the team's barrier */
+        configure_tiles();
+#pragma omp for schedule(static) nowait
+        for (int64_t block = 0; block < blocks; ++block)
+            for (int64_t group = 0; group < chunks; group += AMX_CHUNKS)
+                amx_block_of(pairs, w, y, chunks - group < AMX_CHUNKS ? chunks - group : AMX_CHUNKS, group, M,
+                             block * 16, N, K);
+        _tile_release();
+    }
+    free(pairs);
+    for (int64_t col = blocks * 16; col < N; col += COLS) /* the outputs past whole blocks */
+        for (int64_t row = 0; row < M; row += ROWS)
+            dp_tile(x, w, y, row, M - row < ROWS ? M - row : ROWS, col, N - col < COLS ? N - col : COLS, N, K);
+}
+#endif
+
 /* x [M, K], W [N, K] and y [M, N], bfloat16 bits, contiguous. */
 void bf16_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+#ifdef __AMX_BF16__
+    if (M >= AMX_MIN_ROWS && K % 32 == 0 && N >= 16 && amx_permitted()) {
+        amx_linear(x, w, y, M, N, K);
+        return;
+    }
+#endif
 #ifdef __AVX512BF16__
     dp_linear(x, w, y, M, N, K);
 #else

@@ -1,12 +1,12 @@
 """Few-row bfloat16 GEMMs on AVX-512 CPUs: ``bf16_gemm.c``, and the op that calls it.
 
 Decode steps multiply a few rows by every weight. oneDNN's bfloat16 GEMM runs those well under
-the memory roof on CPUs without AMX; the kernel reads the bfloat16 weight once and accumulates
-in float32: with AVX-512 BF16's dot product where the CPU has it (a 2-core Zen 4 EPYC, a step's
-GEMMs of SmolLM2: 2.1x oneDNN at 16 rows, 1.45x at 64), else with the weight widened to float32
-(this project's 2-core Xeon: 1.5x at 1 row, 1.7x at 16, 1.3x at 64 and at 128;
-``benchmarks/bf16_gemm.py``). Whether it is used, and up to how many rows, is measured at start
-(``kernels.capabilities``), as CPUs with AMX may be faster in oneDNN.
+the memory roof; the kernel reads the bfloat16 weight once and accumulates in float32: on AMX
+tiles where the CPU has them (an Intel Xeon with AMX, a step's GEMMs of SmolLM2: 2.3x oneDNN at
+16 rows, 1.6x at 64), else with AVX-512 BF16's dot product (a 2-core Zen 4 EPYC: 2.1x oneDNN at
+16 rows, 1.45x at 64), else with the weight widened to float32 (this project's 2-core Xeon: 1.5x
+at 1 row, 1.7x at 16, 1.3x at 64 and at 128; ``benchmarks/bf16_gemm.py``). Whether it is used,
+and up to how many rows, is measured at start (``kernels.capabilities``).
 """
 
 from __future__ import annotations
@@ -16,32 +16,43 @@ import functools
 
 import torch
 
-from llmpool.engine.kernels.c_loader import CKernel, avx512_only, with_avx512_bf16
+from llmpool.engine.kernels.c_loader import (
+    CKernel,
+    avx512_only,
+    with_amx,
+    with_avx512_bf16,
+)
 
-# AVX-512 CPUs only; with AVX-512 BF16's dot product where the CPU has it.
+# AVX-512 CPUs only; with AVX-512 BF16's dot product and AMX's tiles where the CPU has them.
 KERNEL = CKernel(
     "bf16_gemm.c",
     {"bf16_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3},
-    lambda: with_avx512_bf16(avx512_only()),
+    lambda: with_amx(with_avx512_bf16(avx512_only())),
 )
+
+# The kernel's narrower builds, each a path of the kernel that this CPU's build may pass over.
+NARROWER_BUILDS = {
+    "widening": avx512_only,  # the weight widened to float32
+    "dot product": lambda: with_avx512_bf16(avx512_only()),  # AVX-512 BF16 without AMX
+}
 
 
 @functools.cache
-def widening_build() -> ctypes.CDLL | None:
-    """The kernel without AVX-512 BF16 (the float32 path of AVX-512 CPUs that lack it), where
-    this CPU's build has it, so that tests and benchmarks check and time that path here too;
-    None where this CPU's build is that one already, or there is none."""
-    widening = avx512_only()
-    if widening is None or KERNEL.arch() == widening:
+def narrower_build(name: str) -> ctypes.CDLL | None:
+    """The kernel built as ``NARROWER_BUILDS[name]``, where that differs from this CPU's build
+    and the CPU can run it, so that tests and benchmarks check and time that path here too; None
+    where this CPU's build is that one already, or there is none."""
+    arch = NARROWER_BUILDS[name]()
+    if arch is None or KERNEL.arch() == arch:
         return None
-    return KERNEL.build(widening)
+    return KERNEL.build(arch)
 
 
 def bf16_linear(
     x: torch.Tensor, weight: torch.Tensor, library: ctypes.CDLL | None = None
 ) -> torch.Tensor:
     """``x @ weight.T`` for 2-D bfloat16 CPU tensors; ``library``: another build of the kernel
-    than this CPU's (``widening_build``)."""
+    than this CPU's (``narrower_build``)."""
     library = library or KERNEL.built()
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         raise ValueError(f"bf16_linear multiplies bfloat16, not {x.dtype} by {weight.dtype}")

@@ -196,6 +196,16 @@ def with_avx512_bf16(build: list[str] | None) -> list[str] | None:
     return build
 
 
+def with_amx(build: list[str] | None) -> list[str] | None:
+    """An AVX-512 BF16 ``build`` with AMX's bfloat16 tiles (``tdpbf16ps``) where the CPU has
+    them; any other build as it is. Whether the kernel may use them is asked of Linux at run
+    time (``arch_prctl``), so a build with them still runs where that is refused."""
+    amx = {"amx_tile", "amx_bf16"}
+    if build is not None and "-mavx512bf16" in build and amx <= cpu_flags():
+        return [*build, "-mamx-tile", "-mamx-bf16"]
+    return build
+
+
 def avx2_or_wider() -> list[str] | None:
     """:attr:`CKernel.arch` of kernels written for AVX2: this CPU's widest level (AVX-512 CPUs
     have AVX2 too), None where it has no AVX2."""

@@ -292,8 +292,9 @@ def choose_bfloat16_gemm(
     without AMX: the AVX-512 kernel ~1.7x as fast at 16 rows, float32 1.3-1.6x at prefill sizes;
     a Zen 4 EPYC, where the kernel multiplies with AVX-512 BF16's dot product: the kernel ahead
     up to 64 or 128 rows, oneDNN's bfloat16 level from 256 and at prefill sizes; an Intel Xeon
-    with AMX, where oneDNN multiplies on AMX tiles: the kernel up to 16 rows, as its decode
-    steps run in the C decoder, though oneDNN's GEMM alone is the faster from 16).
+    with AMX, where both multiply on AMX tiles: the kernel up to 128 rows; its vdpbf16ps build
+    there up to 16 rows, as its decode steps run in the C decoder, though oneDNN's GEMM alone is
+    the faster from 16).
     """
     if kernel_name is not None:
         kernel_max_rows, kernel_says = bfloat16_kernel_rows(weight, kernel_name, in_c_decoder)

@@ -49,17 +49,19 @@ BFLOAT16_UPCAST_MIN_SPEEDUP = 1.2
 # upcast (the Xeon: 1.5x at 64 rows, 1.03x at 128, 0.87x at 256; benchmarks/bf16_gemm.py).
 # Where it stops beating torch depends on the CPU (a Zen 4 EPYC, whose oneDNN multiplies
 # bfloat16 natively, as the kernel does there with vdpbf16ps: 2.1x at 16 rows, 1.45x at 64,
-# 1.18x at 128, 1.04x at 256), so the probe climbs these row counts and the kernel takes GEMMs
-# up to the last one it won by BFLOAT16_KERNEL_MIN_SPEEDUP.
+# 1.18x at 128, 1.04x at 256; an Intel Xeon with AMX, both on AMX tiles: 1.83x at 16, 1.43x at
+# 64, 1.18x at 128, 1.02x at 256), so the probe climbs these row counts and the kernel takes
+# GEMMs up to the last one it won by BFLOAT16_KERNEL_MIN_SPEEDUP.
 BFLOAT16_KERNEL_MAX_ROWS = 128
 BFLOAT16_KERNEL_PROBE_ROWS = (8, 16, 32, 64, BFLOAT16_KERNEL_MAX_ROWS)
 BFLOAT16_KERNEL_MIN_SPEEDUP = 1.1
 # Where the C decoder is built (``cpu_decoder``), a decode step of up to this many requests runs
 # in one C call, which saves the step's per-layer dispatch: there the kernel also takes GEMMs of
 # up to this many rows while it keeps BFLOAT16_DECODER_MIN_SPEEDUP of torch's rate. An Intel Xeon
-# with AMX, whose oneDNN GEMM outruns the kernel from 16 rows (the probe: 0.67-0.91x there),
-# decodes 9, 12 and 16 requests 1.49x, 1.46x and 1.23x as fast that way as layer by layer (32
-# with the kernel up to 32 rows, 0.57x at 32: 0.91x, so no further).
+# with AMX, whose oneDNN GEMM outruns the kernel's vdpbf16ps build (the kernel without AMX
+# tiles, as where Linux refuses them) from 16 rows (the probe: 0.67-0.91x there), decodes 9, 12
+# and 16 requests 1.49x, 1.46x and 1.23x as fast that way as layer by layer (32 with the kernel
+# up to 32 rows, 0.57x at 32: 0.91x, so no further).
 BFLOAT16_DECODER_ROWS = 16
 BFLOAT16_DECODER_MIN_SPEEDUP = 0.6
 # The few-row probes stream their weight from memory as a step does: copies of it totalling at

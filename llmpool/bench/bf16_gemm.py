@@ -5,9 +5,9 @@ Two measurements, each alternating between the ways in one process:
 - a decode step's GEMMs alone (every layer's four projections and the LM head of the built-in
   model, 269 MB of bfloat16 weights, so they stream from memory as in a step) at ``--rows``
   rows: torch's bfloat16 GEMM (oneDNN), the C kernel as built for this CPU, the float32 GEMM on
-  upcast operands (what ``linear`` runs for prefill chunks past the kernel's rows) and, on CPUs
-  with AVX-512 BF16, the kernel's widening build (``widening``: the float32 path that CPUs
-  without it run); with the weight bandwidth and GFLOP/s of each and the largest difference
+  upcast operands (what ``linear`` runs for prefill chunks past the kernel's rows) and the
+  kernel's narrower builds this CPU's build passes over (``widening``: the float32 path of CPUs
+  without AVX-512 BF16; ``dot product``: the AVX-512 BF16 path of CPUs without AMX); with the weight bandwidth and GFLOP/s of each and the largest difference
   from the float32 product;
 - the engine's whole eager bfloat16 step with ``--concurrency`` requests of 40-700-token prompts
   decoding, rounds of steps alternating between the kernel up to the rows its start-up probe
@@ -21,6 +21,7 @@ Writes ``benchmarks/results/bf16_gemm.json`` (``--name``: another name) with the
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -46,12 +47,14 @@ WAYS: dict[str, Way] = {
 }
 
 
-def with_widening_build(ways: dict[str, Way]) -> dict[str, Way]:
-    """``ways`` and, where this CPU's build uses AVX-512 BF16, the widening build too."""
-    widening = bf16_gemm.widening_build()
-    if widening is None:
-        return ways
-    return {**ways, "widening": lambda x, weight: bf16_gemm.bf16_linear(x, weight, widening)}
+def with_narrower_builds(ways: dict[str, Way]) -> dict[str, Way]:
+    """``ways`` and each of the kernel's narrower builds that differs from this CPU's."""
+    builds = {name: bf16_gemm.narrower_build(name) for name in bf16_gemm.NARROWER_BUILDS}
+    return ways | {
+        name: functools.partial(bf16_gemm.bf16_linear, library=library)
+        for name, library in builds.items()
+        if library is not None
+    }
 
 
 def step_gemms(
@@ -105,7 +108,7 @@ def main() -> None:
     weights = [w.detach() for w in gemm_weights(llm.engine.model)]
     probed = llm.engine.kernels.gemm.bfloat16_kernel_max_rows
     print(f"the start-up probe runs GEMMs of up to {probed} rows in the kernel", flush=True)
-    ways = with_widening_build(WAYS)
+    ways = with_narrower_builds(WAYS)
     gemms = []
     for rows in args.rows:
         gemms.append(step_gemms(weights, rows, args.rounds, ways))
