@@ -140,16 +140,18 @@ def test_prompts_and_prefill_chunks_run_the_prefill_kernel(
 @pytest.mark.parametrize("build", ["avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_other_builds_of_the_prefill_kernel_match_too(
+def test_the_other_builds_of_the_attention_kernels_match_too(
     monkeypatch: pytest.MonkeyPatch, build: str, dtype: torch.dtype, head_dim: int
 ) -> None:
-    """The builds an AVX2 CPU runs (8 lanes, 32-key tiles, fewer rows a pass) and an AVX-512 CPU
-    without AVX-512 BF16 runs (bfloat16 by float32 FMAs, not vdpbf16ps), here."""
+    """The builds of the prefill and decode kernels that an AVX2 CPU runs (8 lanes, 32-key
+    tiles, fewer rows a pass) and an AVX-512 CPU without AVX-512 BF16 or AMX runs (bfloat16 by
+    float32 FMAs, not vdpbf16ps or AMX tiles), here."""
     flags = {"avx2": c_loader.AVX2_BUILD, "avx512": c_loader.AVX512_BUILD}[build]
-    library = cpu_prefill.KERNEL.build(flags)
-    assert library is not None
-    monkeypatch.setattr(cpu_prefill.KERNEL, "library", lambda: library)
-    _check([700, 45, 129, 3], [700, 45, 33, 1], 16, 3, CPU, dtype, head_dim)
+    for kernel in (cpu_prefill.KERNEL, cpu_decode.KERNEL):
+        library = kernel.build(flags)
+        assert library is not None
+        monkeypatch.setattr(kernel, "library", lambda library=library: library)
+    _check([700, 45, 129, 3, 513, 40], [700, 45, 33, 1, 1, 1], 16, 3, CPU, dtype, head_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

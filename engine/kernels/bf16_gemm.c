@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "amx_tiles.h"
+
 #define ROWS 4 /* x rows per tile */
 #define COLS 4 /* weight rows (outputs) per tile */
 
@@ -265,9 +267,6 @@ static void widened_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, in
 #endif
 
 #ifdef __AMX_BF16__
-#include <sys/syscall.h>
-#include <unistd.h>
-
 /* AMX tiles: tdpbf16ps multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one into 16 x 16 float32
  * sums, 16K flops an instruction. The weight is tile A as it lies in memory (16 consecutive weight
  * rows, 32 of K each: one row of the tile is 64 bytes of a weight row), so it needs no repacking;
@@ -277,59 +276,23 @@ static void widened_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, in
  * all of x, in groups of up to AMX_CHUNKS tiles of x rows (the weight tile loaded once a group).
  * Used where K is whole 32-element chunks and for the outputs of whole 16-row blocks; the rest
  * runs in dp_linear's code. */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define AMX_CHUNKS 4 /* tiles of 16 x rows per group: tmm0-3 the sums, tmm4 the weight, tmm5 x */
 #define AMX_MIN_ROWS 2 /* x rows from which the tiles run (1 row: dp_few_rows streams as fast) */
 
-/* Linux hands out the tile data state only on request: once for the process, for every thread. */
-static int amx_permitted(void) {
-    static int permitted = -1; /* racing threads compute and store the same answer */
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return permitted;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
-
-/* Tile registers are per thread: each thread of the team configures its own. */
-static void configure_tiles(void) {
-    tile_config_t config = { .palette = 1 };
-    for (int t = 0; t <= 5; ++t) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
-
-/* x [M, K] as tiles B: pairs[chunk][kc] is 16 rows (pairs of K) of 16 dwords (x rows), 1 KB. */
+/* x [M, K] as tiles B: pairs[chunk][kc] holds x rows chunk * 16 .. + 15, K from kc * 32. */
 static void pair_up(const uint16_t *x, uint32_t *pairs, int64_t M, int64_t K, int64_t chunks) {
     const int64_t kcs = K / 32;
 #pragma omp for schedule(static)
     for (int64_t block = 0; block < chunks * kcs; ++block) {
         const int64_t chunk = block / kcs, kc = block % kcs;
-        uint32_t *tile = pairs + block * 256;
-        for (int64_t m = 0; m < 16; ++m) {
-            const int64_t row = chunk * 16 + m;
-            if (row >= M) {
-                for (int64_t p = 0; p < 16; ++p) tile[p * 16 + m] = 0;
-                continue;
-            }
-            const uint32_t *from = (const uint32_t *)(x + row * K + kc * 32);
-            for (int64_t p = 0; p < 16; ++p) tile[p * 16 + m] = from[p];
-        }
+        pair_up_tile(x + chunk * 16 * K, M - chunk * 16, K, kc * 32, pairs + block * 256);
     }
 }
 
-/* C tile `t` (16 outputs from col, for x rows from row) into y, rounded to bfloat16. */
-static void store_sums(float *sums, uint16_t *y, int64_t row, int64_t M, int64_t col, int64_t N) {
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
+/* A stored C tile (16 outputs from col, for x rows from row) into y, rounded to bfloat16. */
+static void store_sums(const float *sums, uint16_t *y, int64_t row, int64_t M, int64_t col, int64_t N) {
     for (int64_t m = 0; m < 16 && row + m < M; ++m) {
-        const __m512 value = _mm512_i32gather_ps(column, sums + m, 4);
+        const __m512 value = tile_column(sums, m);
         const __m512i bits = _mm512_castps_si512(value);
         const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
         const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
@@ -385,7 +348,7 @@ static void amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_
 #pragma omp parallel
     {
         pair_up(x, pairs, M, K, chunks); /* ends in the team's barrier */
-        configure_tiles();
+        configure_full_tiles(6);
 #pragma omp for schedule(static) nowait
         for (int64_t block = 0; block < blocks; ++block)
             for (int64_t group = 0; group < chunks; group += AMX_CHUNKS)

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "cpu_vector.h"
 
 static inline float bf16_to_float(uint16_t bits) {
@@ -145,12 +146,88 @@ DEFINE_PAGED_DECODE(paged_decode_f32, float, same_float, same_float, any_head_di
  * operations are cpu_vector.h's. */
 #ifdef CPU_VECTORS
 #define MAX_GROUP 16
+/* Positions are read in the order of a sequence's blocks, which lie anywhere in the cache: the
+ * row AHEAD positions on is fetched meanwhile (a decode of 64 sequences of 40-700 positions on an
+ * Intel Xeon with AMX read K and V at under 7 GB/s, waiting on each new block, without it). */
+#define AHEAD 48
+#define PREFETCH_ROW(row, bytes)                                                                  \
+    for (int64_t line = 0; line < (int64_t)(bytes); line += 64) _mm_prefetch((const char *)(row) + line, _MM_HINT_T0)
 
 /* The softmax of n scores in place; returns 1 / their sum of exponentials, which the weighted
  * sum of V is multiplied by at the end. */
 static inline float softmax_unnormalized(float *scores, int64_t n) {
     return 1.0f / exp_in_place(scores, n, max_of(scores, n));
 }
+
+#ifdef __AMX_BF16__
+/* The scores q.k of one (sequence, KV head) on AMX tiles, 16 positions at a time: tile A is 16
+ * consecutive positions' K rows (32 of head_dim each) as they lie in a cache block, tile B the
+ * group's query heads as pairs of head_dim (`q_tiles`, pair_up_tile), C [position][query head]
+ * their float32 sums, taken out a query head at a time and scaled. Products of bfloat16 values
+ * are exact in float32, so the scores differ from the vector path's only in summation order.
+ * Needs whole 16-position runs in a block (block_size a multiple of 16): a run past the
+ * sequence's end reads K rows of its last block that no query uses, whose scores are dropped.
+ * Tiles: tmm0 the sums, tmm1 K, tmm2 .. the query chunks. `chunks` (head_dim / 32) is a constant
+ * where the SIMD kernel inlines this. */
+static inline __attribute__((always_inline)) void amx_scores(const uint16_t *key_cache, const int64_t *table,
+                                                             int64_t length, int64_t block_size,
+                                                             int64_t token_stride, int64_t head_offset,
+                                                             const int chunks, int64_t group, float scale,
+                                                             float *scores) {
+    float sums[256] __attribute__((aligned(64)));
+    for (int64_t start = 0; start < length; start += 16) {
+        const uint16_t *k = key_cache + (table[start / block_size] * block_size + start % block_size) * token_stride
+                            + head_offset;
+        if (start + 32 < length) { /* the K rows two runs on, which lie in another block maybe */
+            const uint16_t *next = key_cache + head_offset
+                                   + (table[(start + 32) / block_size] * block_size + (start + 32) % block_size) * token_stride;
+            for (int64_t r = 0; r < 16; ++r) PREFETCH_ROW(next + r * token_stride, chunks * 64);
+        }
+        _tile_zero(0);
+        _tile_loadd(1, k, token_stride * 2);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_loadd(1, k + 32, token_stride * 2);
+        _tile_dpbf16ps(0, 1, 3);
+        if (chunks > 2) {
+            _tile_loadd(1, k + 64, token_stride * 2);
+            _tile_dpbf16ps(0, 1, 4);
+            _tile_loadd(1, k + 96, token_stride * 2);
+            _tile_dpbf16ps(0, 1, 5);
+        }
+        _tile_stored(0, sums, 64);
+        const int64_t valid = length - start < 16 ? length - start : 16;
+        const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+        for (int64_t g = 0; g < group; ++g)
+            _mm512_mask_storeu_ps(scores + g * length + start, mask,
+                                  _mm512_mul_ps(tile_column(sums, g), _mm512_set1_ps(scale)));
+    }
+}
+
+/* The query heads of one KV head into the tiles amx_scores() multiplies by (query chunk c at
+ * tmm2 + c), from `q_tiles` (chunks x 1 KB). */
+static inline void load_query_tiles(const uint16_t *q_in, int64_t group, const int chunks, uint32_t *q_tiles) {
+    for (int c = 0; c < chunks; ++c) pair_up_tile(q_in, group, chunks * 32, c * 32, q_tiles + c * 256);
+    _tile_loadd(2, q_tiles, 64);
+    _tile_loadd(3, q_tiles + 256, 64);
+    if (chunks > 2) {
+        _tile_loadd(4, q_tiles + 512, 64);
+        _tile_loadd(5, q_tiles + 768, 64);
+    }
+}
+#define AMX_SCORES(T, HEAD_DIM) (sizeof(T) == 2 && block_size % 16 == 0 && amx_permitted())
+#define START_TILES() configure_full_tiles(6)
+#define END_TILES() _tile_release()
+#define AMX_SCORE(q_in, key_cache, table, length, block_size, token_stride, head_offset, chunks,   \
+                  group, scale, scores, q_tiles)                                                   \
+    load_query_tiles((const uint16_t *)(q_in), group, chunks, q_tiles);                            \
+    amx_scores((const uint16_t *)(key_cache), table, length, block_size, token_stride, head_offset, \
+               chunks, group, scale, scores)
+#else
+#define AMX_SCORES(T, HEAD_DIM) 0
+#define START_TILES()
+#define END_TILES()
+#define AMX_SCORE(...)
+#endif
 
 #define DEFINE_PAGED_DECODE_SIMD(NAME, T, LOADV, STOREV, PORTABLE, HEAD_DIM)                      \
 void NAME(const T *query, const T *key_cache, const T *value_cache,                               \
@@ -167,10 +244,13 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
     const int64_t token_stride = num_kv_heads * HEAD_DIM;                                         \
     int64_t longest = 1;                                                                          \
     for (int64_t s = 0; s < num_seqs; ++s) longest = seq_lens[s] > longest ? seq_lens[s] : longest; \
+    const int amx = AMX_SCORES(T, HEAD_DIM);                                                      \
     _Pragma("omp parallel")                                                                       \
     {                                                                                             \
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)longest);                                \
         float *scores = malloc(sizeof(float) * (size_t)(group * longest));                        \
+        uint32_t q_tiles[HEAD_DIM / 32 * 256] __attribute__((aligned(64)));                       \
+        if (amx) START_TILES();                                                                   \
         _Pragma("omp for schedule(dynamic, 1)")                                                   \
         for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {                          \
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;               \
@@ -184,20 +264,27 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
                     acc[g][j] = vzero();                                                          \
                 }                                                                                 \
             position_rows(table, length, block_size, token_stride, kv_head * HEAD_DIM, rows);     \
-            for (int64_t t = 0; t < length; ++t) {                                                \
-                const T *k = key_cache + rows[t];                                                 \
-                VEC row[V];                                                                       \
-                for (int j = 0; j < V; ++j) row[j] = LOADV(k + W * j);                            \
-                for (int64_t g = 0; g < group; ++g) {                                             \
-                    VEC sum = vmul(q[g][0], row[0]);                                              \
-                    for (int j = 1; j < V; ++j) sum = vfmadd(q[g][j], row[j], sum);               \
-                    scores[g * length + t] = vreduce_add(sum);                                    \
+            if (amx) {                                                                            \
+                AMX_SCORE(q_in, key_cache, table, length, block_size, token_stride,               \
+                          kv_head * HEAD_DIM, HEAD_DIM / 32, group, scale, scores, q_tiles);      \
+            } else {                                                                              \
+                for (int64_t t = 0; t < length; ++t) {                                            \
+                    if (t + AHEAD < length) PREFETCH_ROW(key_cache + rows[t + AHEAD], sizeof(T) * HEAD_DIM); \
+                    const T *k = key_cache + rows[t];                                             \
+                    VEC row[V];                                                                   \
+                    for (int j = 0; j < V; ++j) row[j] = LOADV(k + W * j);                        \
+                    for (int64_t g = 0; g < group; ++g) {                                         \
+                        VEC sum = vmul(q[g][0], row[0]);                                          \
+                        for (int j = 1; j < V; ++j) sum = vfmadd(q[g][j], row[j], sum);           \
+                        scores[g * length + t] = vreduce_add(sum);                                \
+                    }                                                                             \
                 }                                                                                 \
             }                                                                                     \
             float inverse[MAX_GROUP];                                                             \
             for (int64_t g = 0; g < group; ++g)                                                   \
                 inverse[g] = softmax_unnormalized(scores + g * length, length);                   \
             for (int64_t t = 0; t < length; ++t) {                                                \
+                if (t + AHEAD < length) PREFETCH_ROW(value_cache + rows[t + AHEAD], sizeof(T) * HEAD_DIM); \
                 const T *v = value_cache + rows[t];                                               \
                 VEC row[V];                                                                       \
                 for (int j = 0; j < V; ++j) row[j] = LOADV(v + W * j);                            \
@@ -211,6 +298,7 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
                 for (int j = 0; j < V; ++j)                                                       \
                     STOREV(o + g * HEAD_DIM + W * j, vmul(acc[g][j], vset1(inverse[g])));         \
         }                                                                                         \
+        if (amx) END_TILES();                                                                     \
         free(scores);                                                                             \
         free(rows);                                                                               \
     }                                                                                             \

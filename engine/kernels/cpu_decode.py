@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from llmpool.engine.kernels.c_loader import CKernel
+from llmpool.engine.kernels.c_loader import CKernel, arch_flags, with_amx, with_avx512_bf16
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # (cache dtype, head_dim) -> the kernel's symbol; None: any head_dim.
@@ -21,8 +21,13 @@ SYMBOLS = {
     for head_dim in (64, 128, None)
 }
 SIGNATURE = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-# Built for this CPU's widest vector instructions (portable code elsewhere).
-KERNEL = CKernel("cpu_decode.c", dict.fromkeys(SYMBOLS.values(), SIGNATURE))
+# Built for this CPU's widest vector instructions (portable code elsewhere), with AMX's tiles for
+# the bfloat16 scores where the CPU has them.
+KERNEL = CKernel(
+    "cpu_decode.c",
+    dict.fromkeys(SYMBOLS.values(), SIGNATURE),
+    lambda: with_amx(with_avx512_bf16(arch_flags())),
+)
 
 
 def paged_decode(

@@ -2,10 +2,12 @@
 
 Two measurements, each alternating between the ways in one process:
 
-- one layer's attention for ``c`` decodes of 40-700-token contexts (random block tables over a
-  shared pool, SmolLM2's 9 query and 3 KV heads of 64), both dtypes, with the largest
-  difference between the outputs: the torch backend, the cpu backend, and the cpu backend's
-  kernel built portable (no instruction-set flags: what the vector code is measured against);
+- a step's attention for ``c`` decodes of 40-700-token contexts (random block tables over a
+  shared pool, SmolLM2's 9 query and 3 KV heads of 64, each of its 30 layers its own cache, so
+  that K and V stream from memory as in a step), both dtypes, with the largest difference
+  between the outputs: the torch backend, the cpu backend, the cpu backend's kernel built
+  portable (no instruction-set flags: what the vector code is measured against) and, on CPUs
+  with AMX, built without its tiles (``vector``: the vector code's scores);
 - the engine's whole decode step (bfloat16) with ``c`` requests of such prompts decoding,
   one engine per backend, rounds of steps alternating between them.
 
@@ -18,6 +20,7 @@ model.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
 from collections.abc import Callable
 from typing import Any
@@ -37,20 +40,24 @@ from llmpool.bench.steps import (
 )
 from llmpool.engine import LLM
 from llmpool.engine.attention import TORCH, Backend, select_backend
-from llmpool.engine.kernels import cpu_decode
+from llmpool.engine.kernels import c_loader, cpu_decode
 from llmpool.engine.kernels.capabilities import probe_kernels
 from llmpool.engine.kv_cache import LayerKVCache
 
-BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 9, 3, 64
+BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, LAYERS = 16, 9, 3, 64, 30
 
 
 def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
+    """A step's attention (``LAYERS`` layers), in microseconds."""
     rng = random.Random(concurrency)
     lens = [rng.randint(*CONTEXT) for _ in range(concurrency)]
     meta = paged_batch(lens, [1] * concurrency, BLOCK_SIZE, seed=concurrency)
     num_blocks = int(meta.block_tables.max()) + 1
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    cache = LayerKVCache(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    caches = [
+        LayerKVCache(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+        for _ in range(LAYERS)
+    ]
     query = torch.randn(concurrency, NUM_HEADS, HEAD_DIM).to(dtype)
     cpu = torch.device("cpu")
     backends: dict[str, Backend] = {
@@ -62,33 +69,47 @@ def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dic
 
     def attend(name: str) -> Callable[[], None]:
         def run() -> None:
-            outputs[name] = backends[name].paged_attention(
-                query, cache, plans[name], HEAD_DIM**-0.5
-            )
+            for cache in caches:
+                outputs[name] = backends[name].paged_attention(
+                    query, cache, plans[name], HEAD_DIM**-0.5
+                )
 
         return run
 
-    portable_build = cpu_decode.KERNEL.build([])  # built once, then found in the kernel cache
+    def built(name: str, library: ctypes.CDLL) -> Callable[[], None]:
+        def run() -> None:
+            plan = plans["cpu"]
+            for cache in caches:
+                outputs[name] = cpu_decode.paged_decode(
+                    query, cache.key, cache.value, plan.decode_block_tables,
+                    plan.decode_seq_lens, HEAD_DIM**-0.5, library=library,
+                )  # fmt: skip
 
-    def portable() -> None:
-        plan = plans["cpu"]
-        outputs["portable"] = cpu_decode.paged_decode(
-            query, cache.key, cache.value, plan.decode_block_tables, plan.decode_seq_lens,
-            HEAD_DIM**-0.5, library=portable_build,
-        )  # fmt: skip
+        return run
 
-    ways = {name: attend(name) for name in backends} | {"portable": portable}
-    ms = alternating_step_ms(ways, rounds, steps=10)
+    ways = {name: attend(name) for name in backends}
+    for name, library in other_builds().items():  # built once, then found in the kernel cache
+        ways[name] = built(name, library)
+    ms = alternating_step_ms(ways, rounds, steps=3)
     medians = {name: value * 1e3 for name, value in ms.items()}
     return {
         "us": medians,
-        "torch_over_cpu": medians["torch"] / medians["cpu"],
-        "portable_over_cpu": medians["portable"] / medians["cpu"],
+        **{f"{name}_over_cpu": medians[name] / medians["cpu"] for name in medians if name != "cpu"},
         "max_abs_difference": {
             name: float((outputs["torch"].float() - outputs[name].float()).abs().max())
-            for name in ("cpu", "portable")
+            for name in outputs
+            if name != "torch"
         },
     }
+
+
+def other_builds() -> dict[str, ctypes.CDLL]:
+    """The decode kernel built portable and, where this CPU's build has AMX tiles, without."""
+    builds = {"portable": cpu_decode.KERNEL.build([])}
+    vector = c_loader.with_avx512_bf16(c_loader.arch_flags())
+    if vector != cpu_decode.KERNEL.arch():
+        builds["vector"] = cpu_decode.KERNEL.build(vector)
+    return {name: library for name, library in builds.items() if library is not None}
 
 
 def step_milliseconds(concurrencies: list[int], rounds: int) -> list[dict[str, Any]]:
