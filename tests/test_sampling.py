@@ -7,7 +7,7 @@ import torch
 
 from llmpool.engine import LLM, SamplingParams
 from llmpool.engine.request import Request
-from llmpool.engine.sampler import Sampler
+from llmpool.engine.sampler import Sampler, greedy_tokens
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 
@@ -181,3 +181,14 @@ def test_choices_share_their_params_lists_and_logit_bias_applies_per_row() -> No
     expected[[0, 3], 3], expected[[0, 3], 5], expected[2, 0] = 100.0, -100.0, 100.0
     assert torch.equal(biased_logits, expected)
     assert Sampler()(logits, requests).token_ids == [[3], [0], [0], [3]]
+
+
+def test_greedy_tokens_are_argmax_ties_and_nan_included() -> None:
+    """The first of equal maxima, and a NaN row's NaN, as torch's argmax chooses."""
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
+    logits[3, [20, 10, 30]] = 100.0
+    logits[5, 7] = float("nan")
+    logits[6] = 1.0
+    tokens = greedy_tokens(logits)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert tokens[[3, 5, 6]].tolist() == [10, 7, 0]
