@@ -149,7 +149,7 @@ DEFINE_PAGED_DECODE(paged_decode_f32, float, same_float, same_float, any_head_di
 /* Positions are read in the order of a sequence's blocks, which lie anywhere in the cache: the
  * row AHEAD positions on is fetched meanwhile (a decode of 64 sequences of 40-700 positions on an
  * Intel Xeon with AMX read K and V at under 7 GB/s, waiting on each new block, without it). */
-#define AHEAD 48
+#define AHEAD 16
 #define PREFETCH_ROW(row, bytes)                                                                  \
     for (int64_t line = 0; line < (int64_t)(bytes); line += 64) _mm_prefetch((const char *)(row) + line, _MM_HINT_T0)
 
@@ -178,9 +178,9 @@ static inline __attribute__((always_inline)) void amx_scores(const uint16_t *key
     for (int64_t start = 0; start < length; start += 16) {
         const uint16_t *k = key_cache + (table[start / block_size] * block_size + start % block_size) * token_stride
                             + head_offset;
-        if (start + 32 < length) { /* the K rows two runs on, which lie in another block maybe */
+        if (start + 16 < length) { /* the next run's K rows, which lie in another block maybe */
             const uint16_t *next = key_cache + head_offset
-                                   + (table[(start + 32) / block_size] * block_size + (start + 32) % block_size) * token_stride;
+                                   + (table[(start + 16) / block_size] * block_size + (start + 16) % block_size) * token_stride;
             for (int64_t r = 0; r < 16; ++r) PREFETCH_ROW(next + r * token_stride, chunks * 64);
         }
         _tile_zero(0);
