@@ -229,6 +229,13 @@ static inline void load_query_tiles(const uint16_t *q_in, int64_t group, const i
 #define AMX_SCORE(...)
 #endif
 
+/* Position t's row of `cache` as V vectors `row`, the row AHEAD positions on prefetched (inside
+ * DEFINE_PAGED_DECODE_SIMD's item loop). */
+#define LOAD_ROW(row, cache, t, LOADV, HEAD_DIM)                                                   \
+    if ((t) + AHEAD < length) PREFETCH_ROW((cache) + rows[(t) + AHEAD], sizeof(*(cache)) * (HEAD_DIM)); \
+    VEC row[V];                                                                                   \
+    for (int j = 0; j < V; ++j) row[j] = LOADV((cache) + rows[t] + W * j);
+
 #define DEFINE_PAGED_DECODE_SIMD(NAME, T, LOADV, STOREV, PORTABLE, HEAD_DIM)                      \
 void NAME(const T *query, const T *key_cache, const T *value_cache,                               \
           const int64_t *block_tables, const int64_t *seq_lens, T *out,                           \
@@ -269,10 +276,7 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
                           kv_head * HEAD_DIM, HEAD_DIM / 32, group, scale, scores, q_tiles);      \
             } else {                                                                              \
                 for (int64_t t = 0; t < length; ++t) {                                            \
-                    if (t + AHEAD < length) PREFETCH_ROW(key_cache + rows[t + AHEAD], sizeof(T) * HEAD_DIM); \
-                    const T *k = key_cache + rows[t];                                             \
-                    VEC row[V];                                                                   \
-                    for (int j = 0; j < V; ++j) row[j] = LOADV(k + W * j);                        \
+                    LOAD_ROW(row, key_cache, t, LOADV, HEAD_DIM)                                 \
                     for (int64_t g = 0; g < group; ++g) {                                         \
                         VEC sum = vmul(q[g][0], row[0]);                                          \
                         for (int j = 1; j < V; ++j) sum = vfmadd(q[g][j], row[j], sum);           \
@@ -284,10 +288,7 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
             for (int64_t g = 0; g < group; ++g)                                                   \
                 inverse[g] = softmax_unnormalized(scores + g * length, length);                   \
             for (int64_t t = 0; t < length; ++t) {                                                \
-                if (t + AHEAD < length) PREFETCH_ROW(value_cache + rows[t + AHEAD], sizeof(T) * HEAD_DIM); \
-                const T *v = value_cache + rows[t];                                               \
-                VEC row[V];                                                                       \
-                for (int j = 0; j < V; ++j) row[j] = LOADV(v + W * j);                            \
+                LOAD_ROW(row, value_cache, t, LOADV, HEAD_DIM)                                   \
                 for (int64_t g = 0; g < group; ++g) {                                             \
                     const VEC w = vset1(scores[g * length + t]);                                  \
                     for (int j = 0; j < V; ++j) acc[g][j] = vfmadd(w, row[j], acc[g][j]);         \
