@@ -342,7 +342,7 @@ static void amx_block_of(const uint32_t *pairs, const uint16_t *w, uint16_t *y, 
 }
 
 static void amx_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
-    const int64_t chunks = (M + 15) / 16, blocks = N / 16, tail = N - blocks * 16;
+    const int64_t chunks = (M + 15) / 16, blocks = N / 16;
     uint32_t *pairs = aligned_alloc(64, (size_t)(chunks * K * 16) * sizeof(uint32_t));
     if (pairs == NULL) abort();
 #pragma omp parallel

@@ -2,8 +2,8 @@
 
 Decode steps multiply a few rows by every weight. oneDNN's bfloat16 GEMM runs those well under
 the memory roof; the kernel reads the bfloat16 weight once and accumulates in float32: on AMX
-tiles where the CPU has them (an Intel Xeon with AMX, a step's GEMMs of SmolLM2: 2.3x oneDNN at
-16 rows, 1.6x at 64), else with AVX-512 BF16's dot product (a 2-core Zen 4 EPYC: 2.1x oneDNN at
+tiles where the CPU has them (an Intel Xeon with AMX, a step's GEMMs of SmolLM2: 1.8x oneDNN at
+16 rows, 1.4x at 64), else with AVX-512 BF16's dot product (a 2-core Zen 4 EPYC: 2.1x oneDNN at
 16 rows, 1.45x at 64), else with the weight widened to float32 (this project's 2-core Xeon: 1.5x
 at 1 row, 1.7x at 16, 1.3x at 64 and at 128; ``benchmarks/bf16_gemm.py``). Whether it is used,
 and up to how many rows, is measured at start (``kernels.capabilities``).

@@ -7,8 +7,8 @@ Two measurements, each alternating between the ways in one process:
   rows: torch's bfloat16 GEMM (oneDNN), the C kernel as built for this CPU, the float32 GEMM on
   upcast operands (what ``linear`` runs for prefill chunks past the kernel's rows) and the
   kernel's narrower builds this CPU's build passes over (``widening``: the float32 path of CPUs
-  without AVX-512 BF16; ``dot product``: the AVX-512 BF16 path of CPUs without AMX); with the weight bandwidth and GFLOP/s of each and the largest difference
-  from the float32 product;
+  without AVX-512 BF16; ``dot product``: the AVX-512 BF16 path of CPUs without AMX); with the
+  weight bandwidth and GFLOP/s of each and the largest difference from the float32 product;
 - the engine's whole eager bfloat16 step with ``--concurrency`` requests of 40-700-token prompts
   decoding, rounds of steps alternating between the kernel up to the rows its start-up probe
   chose (``probed``) and torch throughout (the choice is one engine: ``kernel_up_to``).
