@@ -43,14 +43,18 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-/* Four floats to bfloat16, rounded to nearest even (NaN stays a quiet NaN), in the low 64 bits. */
+/* 16 floats to bfloat16, rounded to nearest even (NaN stays a quiet NaN). */
+static inline __m256i to_bf16_16(__m512 value) {
+    const __m512i bits = _mm512_castps_si512(value);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), quiet_nan));
+}
+
+/* Four floats to bfloat16, as to_bf16_16 rounds them, in the low 64 bits. */
 static inline __m128i to_bf16(__m128 value) {
-    const __m128i bits = _mm_castps_si128(value);
-    const __m128i odd = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
-    const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, _mm_add_epi32(_mm_set1_epi32(0x7fff), odd)), 16);
-    const __m128i quiet_nan = _mm_or_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(0x40));
-    const __m128i result = _mm_mask_mov_epi32(rounded, _mm_cmp_ps_mask(value, value, _CMP_UNORD_Q), quiet_nan);
-    return _mm_packus_epi32(result, result);
+    return _mm256_castsi256_si128(to_bf16_16(_mm512_zextps128_ps512(value)));
 }
 
 #define ZERO(i) __m512 acc##i##0 = _mm512_setzero_ps(), acc##i##1 = acc##i##0, acc##i##2 = acc##i##0, acc##i##3 = acc##i##0;
@@ -291,15 +295,8 @@ static void pair_up(const uint16_t *x, uint32_t *pairs, int64_t M, int64_t K, in
 
 /* A stored C tile (16 outputs from col, for x rows from row) into y, rounded to bfloat16. */
 static void store_sums(const float *sums, uint16_t *y, int64_t row, int64_t M, int64_t col, int64_t N) {
-    for (int64_t m = 0; m < 16 && row + m < M; ++m) {
-        const __m512 value = tile_column(sums, m);
-        const __m512i bits = _mm512_castps_si512(value);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-        const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-        const __m512i result = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), quiet_nan);
-        _mm256_storeu_si256((__m256i *)(y + (row + m) * N + col), _mm512_cvtepi32_epi16(result));
-    }
+    for (int64_t m = 0; m < 16 && row + m < M; ++m)
+        _mm256_storeu_si256((__m256i *)(y + (row + m) * N + col), to_bf16_16(tile_column(sums, m)));
 }
 
 #define AMX_STORE(t)                                                                           \

@@ -214,7 +214,8 @@ static inline void load_query_tiles(const uint16_t *q_in, int64_t group, const i
         _tile_loadd(5, q_tiles + 768, 64);
     }
 }
-#define AMX_SCORES(T, HEAD_DIM) (sizeof(T) == 2 && block_size % 16 == 0 && amx_permitted())
+#define AMX_SCORES(T) (sizeof(T) == 2 && block_size % 16 == 0 && amx_permitted())
+#define AMX_WORKSPACE(HEAD_DIM) uint32_t q_tiles[(HEAD_DIM) / 32 * 256] __attribute__((aligned(64)));
 #define START_TILES() configure_full_tiles(6)
 #define END_TILES() _tile_release()
 #define AMX_SCORE(q_in, key_cache, table, length, block_size, token_stride, head_offset, chunks,   \
@@ -223,7 +224,8 @@ static inline void load_query_tiles(const uint16_t *q_in, int64_t group, const i
     amx_scores((const uint16_t *)(key_cache), table, length, block_size, token_stride, head_offset, \
                chunks, group, scale, scores)
 #else
-#define AMX_SCORES(T, HEAD_DIM) 0
+#define AMX_SCORES(T) 0
+#define AMX_WORKSPACE(HEAD_DIM)
 #define START_TILES()
 #define END_TILES()
 #define AMX_SCORE(...)
@@ -251,12 +253,12 @@ void NAME(const T *query, const T *key_cache, const T *value_cache,             
     const int64_t token_stride = num_kv_heads * HEAD_DIM;                                         \
     int64_t longest = 1;                                                                          \
     for (int64_t s = 0; s < num_seqs; ++s) longest = seq_lens[s] > longest ? seq_lens[s] : longest; \
-    const int amx = AMX_SCORES(T, HEAD_DIM);                                                      \
+    const int amx = AMX_SCORES(T);                                                      \
     _Pragma("omp parallel")                                                                       \
     {                                                                                             \
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)longest);                                \
         float *scores = malloc(sizeof(float) * (size_t)(group * longest));                        \
-        uint32_t q_tiles[HEAD_DIM / 32 * 256] __attribute__((aligned(64)));                       \
+        AMX_WORKSPACE(HEAD_DIM)                                                                   \
         if (amx) START_TILES();                                                                   \
         _Pragma("omp for schedule(dynamic, 1)")                                                   \
         for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {                          \
