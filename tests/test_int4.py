@@ -256,6 +256,34 @@ def test_the_int4_kernels_rows_do_not_depend_on_each_other() -> None:
 
 
 @needs_vnni_kernels
+@pytest.mark.parametrize("rows", [1, 5, 6, 16, 17, 32, 33, 64, 127])
+@pytest.mark.parametrize(("out_features", "in_features"), [(192, 128), (128, 1536)])
+def test_bfloat16_int4_rows_multiply_the_dequantized_weight_on_amx_tiles(
+    out_features: int, in_features: int, rows: int
+) -> None:
+    """Where the build has AMX tiles, bfloat16 rows from INT4_AMX_MIN_ROWS on get the float32
+    product of the rows and the weight as ``int4_dequantize`` rounds it, up to summation order
+    (both halves of each block of 64 outputs; one or two tiles of 16 rows a pass, the last one
+    part-filled); fewer rows get the integer kernel's result for the same values, bit for bit, and
+    so does every row count in the build without tiles."""
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(torch.randn(out_features, in_features), None, KERNELS)
+    operands = (layer.weight, layer.scales_and_zeros_bits)
+    x = torch.randn(rows, in_features).bfloat16()
+    got = vnni_gemm.int4_linear(x, *operands)
+    integer = vnni_gemm.int4_linear(x.float(), *operands)
+    if vnni_gemm.int4_tiles() and rows >= vnni_gemm.INT4_AMX_MIN_ROWS:
+        expected = x.float() @ vnni_gemm.int4_dequantize(*operands).float()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+        assert relative_error(got, x.float() @ layer.dequantize().T) < 2**-7
+    else:
+        assert torch.equal(got, integer)
+    library = vnni_gemm.integer_build()
+    if library is not None:
+        assert torch.equal(vnni_gemm.int4_linear(x, *operands, library=library), integer)
+
+
+@needs_vnni_kernels
 @pytest.mark.slow
 def test_a_compiled_int4_layer_dequantizes_large_bfloat16_batches_inside_its_graph() -> None:
     """The dequantizer is an opaque op (``llmpool::int4_dequantize``) that a compiled forward

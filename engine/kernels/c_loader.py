@@ -189,9 +189,14 @@ def avx512_only() -> list[str] | None:
 
 
 def with_avx512_bf16(build: list[str] | None) -> list[str] | None:
-    """An AVX-512 ``build`` with AVX-512 BF16's instructions (``vdpbf16ps``) where the CPU has
-    them (x86-64-v4 does not include them); any other build as it is."""
-    if build == AVX512_BUILD and "avx512_bf16" in cpu_flags():
+    """An AVX-512 ``build`` (``AVX512_BUILD``, with or without more extensions) with AVX-512
+    BF16's instructions (``vdpbf16ps``) where the CPU has them (x86-64-v4 does not include them);
+    any other build as it is."""
+    if (
+        build is not None
+        and build[: len(AVX512_BUILD)] == AVX512_BUILD
+        and "avx512_bf16" in cpu_flags()
+    ):
         return [*build, "-mavx512bf16"]
     return build
 

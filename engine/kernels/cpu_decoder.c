@@ -32,10 +32,11 @@ typedef void (*decode_fn)(const void *query, const void *key_cache, const void *
                           int64_t decodes, int64_t heads, int64_t kv_heads, int64_t head_dim,
                           int64_t block_size, int64_t max_blocks, float scale);
 
-/* int8_linear and int4_linear of vnni_gemm.c: float32 rows in and out. */
+/* int8_linear of vnni_gemm.c: float32 rows in and out; int4_linear (float32 models) or
+ * int4_linear_bf16 (bfloat16 ones): rows of the model's dtype in, float32 out. */
 typedef void (*int8_fn)(const float *x, const void *weight, const void *sums, const void *scales,
                         float *y, int64_t rows, int64_t outputs, int64_t inputs);
-typedef void (*int4_fn)(const float *x, const void *packed, const void *scales_and_zeros, float *y,
+typedef void (*int4_fn)(const void *x, const void *packed, const void *scales_and_zeros, float *y,
                         int64_t rows, int64_t outputs, int64_t inputs);
 
 enum { DENSE = 0, INT8 = 1, INT4 = 2 }; /* model_t.weights */
@@ -82,9 +83,9 @@ typedef struct {
 DEFINE_GLUE(bf16, uint16_t)
 DEFINE_GLUE(f32, float)
 
-/* y = x W^T in the model's kernel. The quantized kernels take and give float32 rows, as the
- * layers call them (x.float(), then .to(dtype)): bfloat16 rows pass through `floats`, which
- * holds rows * (inputs + outputs). */
+/* y = x W^T in the model's kernel. The quantized kernels give float32 rows, and the int8 one
+ * takes them, as the layers call them (x.float() or x, then .to(dtype)): bfloat16 rows pass
+ * through `floats`, which holds rows * (inputs + outputs). */
 #define DEFINE_PROJECT(SUFFIX, T)                                                                  \
     static void project_##SUFFIX(const model_t *m, const proj_t *p, const T *x, T *y, int64_t rows, \
                                  int64_t outputs, int64_t inputs, float *floats) {                 \
@@ -93,14 +94,15 @@ DEFINE_GLUE(f32, float)
             return;                                                                                \
         }                                                                                          \
         const int through_floats = sizeof(T) != sizeof(float);                                     \
-        float *fx = through_floats ? floats : (float *)x;                                          \
         float *fy = through_floats ? floats + rows * inputs : (float *)y;                          \
-        if (through_floats)                                                                        \
-            for (int64_t i = 0; i < rows * inputs; i++) fx[i] = SUFFIX##_load(x[i]);               \
-        if (m->weights == INT8)                                                                    \
+        if (m->weights == INT8) {                                                                  \
+            float *fx = through_floats ? floats : (float *)x;                                      \
+            if (through_floats)                                                                    \
+                for (int64_t i = 0; i < rows * inputs; i++) fx[i] = SUFFIX##_load(x[i]);           \
             m->int8(fx, p->weight, p->aux, p->scales, fy, rows, outputs, inputs);                  \
-        else                                                                                       \
-            m->int4(fx, p->weight, p->aux, fy, rows, outputs, inputs);                             \
+        } else {                                                                                   \
+            m->int4(x, p->weight, p->aux, fy, rows, outputs, inputs);                              \
+        }                                                                                          \
         if (through_floats)                                                                        \
             for (int64_t i = 0; i < rows * outputs; i++) y[i] = SUFFIX##_round(fy[i]);             \
     }

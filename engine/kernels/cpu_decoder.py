@@ -110,7 +110,8 @@ def projections(
         address = _address(vnni_gemm.KERNEL.built(), "int8_linear")
         return Projections(INT8, address, INT8_VNNI_MAX_ROWS)
     if all(isinstance(m, int4.Int4Linear) and m.vnni for m in modules):
-        address = _address(vnni_gemm.KERNEL.built(), "int4_linear")
+        symbol = "int4_linear_bf16" if dtype == torch.bfloat16 else "int4_linear"
+        address = _address(vnni_gemm.KERNEL.built(), symbol)
         # Larger bfloat16 batches may dequantize instead (int4.INT4_DEQUANTIZED_MIN_ROWS).
         return Projections(INT4, address, int4.INT4_DEQUANTIZED_MIN_ROWS - 1)
     return None

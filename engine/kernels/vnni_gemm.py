@@ -15,11 +15,18 @@ weight dequantized (:func:`int4_dequantize`) in torch's dense GEMM instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from llmpool.engine.cpu_features import cpu_flags
-from llmpool.engine.kernels.c_loader import AVX512_BUILD, CKernel, avx512_only
+from llmpool.engine.kernels.c_loader import (
+    AVX512_BUILD,
+    CKernel,
+    avx512_only,
+    with_amx,
+    with_avx512_bf16,
+)
 
 VNNI_BUILD = [*AVX512_BUILD, "-mavx512vnni", "-mavx512vbmi"]
 # vpdpbusd adds unsigned by signed byte products: the int8 kernel stores x's parts plus this
@@ -28,13 +35,16 @@ PART_BIAS = 128
 # The int4 kernel's group of input columns (one scale and zero each) and block of outputs.
 INT4_GROUP = 32
 INT4_BLOCK = 64
+# Rows from which bfloat16 rows of the int4 kernel run on AMX tiles (vnni_gemm.c).
+INT4_AMX_MIN_ROWS = 6
 
 
 def _vnni_build() -> list[str] | None:
-    """The kernels' only build: CPUs with AVX-512 VNNI and VBMI."""
+    """CPUs with AVX-512 VNNI and VBMI; with AMX's bfloat16 tiles too where the CPU has them
+    (bfloat16 rows of int4 layers multiply the dequantized weight on tiles)."""
     if avx512_only() is None or not {"avx512_vnni", "avx512vbmi"} <= cpu_flags():
         return None
-    return VNNI_BUILD
+    return with_amx(with_avx512_bf16(VNNI_BUILD))
 
 
 KERNEL = CKernel(
@@ -42,10 +52,27 @@ KERNEL = CKernel(
     {
         "int8_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3,
         "int4_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
+        "int4_linear_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
         "int4_dequantize_bf16": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2,
     },
     _vnni_build,
 )
+
+
+def int4_tiles() -> bool:
+    """Whether this CPU's build multiplies bfloat16 int4 rows on AMX tiles."""
+    return "-mamx-bf16" in (KERNEL.arch() or [])
+
+
+@functools.cache
+def integer_build() -> ctypes.CDLL | None:
+    """The kernels built without AMX tiles (bfloat16 rows in the integer kernel at every row
+    count), where that differs from this CPU's build, so that tests and benchmarks check and time
+    that path here too; None where this CPU's build is that one already, or there is none."""
+    arch = KERNEL.arch()
+    if arch is None or arch == VNNI_BUILD:
+        return None
+    return KERNEL.build(VNNI_BUILD)
 
 
 def weight_sums(weight: torch.Tensor) -> torch.Tensor:
@@ -53,9 +80,12 @@ def weight_sums(weight: torch.Tensor) -> torch.Tensor:
     return weight.sum(dim=1, dtype=torch.int32) * PART_BIAS
 
 
-def _rows(x: torch.Tensor, inputs: int, name: str) -> torch.Tensor:
+def _rows(x: torch.Tensor, inputs: int, name: str, keep_bfloat16: bool = False) -> torch.Tensor:
+    """``x`` as the kernel's contiguous rows: float32, or bfloat16 kept where asked."""
     if x.dim() != 2 or x.shape[1] != inputs:
         raise ValueError(f"{name}: rows of shape {tuple(x.shape)} for {inputs} inputs")
+    if keep_bfloat16 and x.dtype == torch.bfloat16:
+        return x.contiguous()
     return x.float().contiguous()
 
 
@@ -130,18 +160,26 @@ def int4_dequantize(packed: torch.Tensor, scales_and_zeros_bits: torch.Tensor) -
 
 
 def int4_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros_bits: torch.Tensor
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros_bits: torch.Tensor,
+    library: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """``x @ dequantize_int4(packed, scales_and_zeros).T`` in float32 for 2-D CPU tensors: ``x``
     float32 or bfloat16, ``packed`` ``[N, K / 2]`` uint8 in torch's layout (``int4.pack_int4``),
-    the bfloat16 scales and zeros ``[K / 32, N, 2]`` as their int16 bits."""
-    library = KERNEL.built()
+    the bfloat16 scales and zeros ``[K / 32, N, 2]`` as their int16 bits.
+
+    Where the build has AMX tiles, bfloat16 rows from ``INT4_AMX_MIN_ROWS`` on multiply the
+    weight as :func:`int4_dequantize` rounds it (the product a dense bfloat16 GEMM of the
+    dequantized weight computes, up to summation order); other rows run the integer kernel.
+    ``library``: another build of the kernels (:func:`integer_build`), else this CPU's."""
+    library = library or KERNEL.built()
     outputs, inputs = _check_int4(packed, scales_and_zeros_bits, "int4_linear")
-    x = _rows(x, inputs, "int4_linear")
+    x = _rows(x, inputs, "int4_linear", keep_bfloat16=True)
     packed, scales_and_zeros_bits = packed.contiguous(), scales_and_zeros_bits.contiguous()
-    out = x.new_empty(x.shape[0], outputs)
+    out = x.new_empty(x.shape[0], outputs, dtype=torch.float32)
     if out.numel():
-        library.int4_linear(
+        (library.int4_linear_bf16 if x.dtype == torch.bfloat16 else library.int4_linear)(
             x.data_ptr(),
             packed.data_ptr(),
             scales_and_zeros_bits.data_ptr(),

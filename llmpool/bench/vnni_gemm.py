@@ -6,15 +6,18 @@ Two measurements, each alternating between the ways in one process:
   under int8, the LM head, on the built-in model's own weights, so that they stream from memory
   as in a step): under int8 (135 MB) torch's weight-only kernel (``_weight_int8pack_mm``, rows
   in bfloat16), the VNNI kernel and ``int8_split_matmul`` (what int8 layers run past the
-  kernels' rows); under int4 (66 MB of layers) torch's ``_weight_int4pack_mm_for_cpu`` and the
-  VNNI kernel; with the weight bandwidth of each;
+  kernels' rows); under int4 (66 MB of layers) torch's ``_weight_int4pack_mm_for_cpu``, the
+  kernel on bfloat16 rows (AMX tiles where built, from ``INT4_AMX_MIN_ROWS``), the integer
+  kernel on the same rows in float32, and dequantizing per call into torch's bfloat16 GEMM;
+  with the weight bandwidth of each;
 - the engine's whole eager bfloat16 step with ``--concurrency`` requests decoding under int8 and
   int4 (whose LM head is int8), rounds of steps alternating between the kernels on and off
   (``LlamaForCausalLM.use_kernels``).
 
     python benchmarks/vnni_gemm.py --rows 1 2 4 16 --concurrency 1 2 16
 
-Writes ``benchmarks/results/vnni_gemm.json`` with the CPU model.
+Writes ``benchmarks/results/vnni_gemm.json`` (``--name``: another name) with the CPU model;
+``--quantization`` measures one kind only.
 """
 
 from __future__ import annotations
@@ -50,7 +53,12 @@ INT4_WAYS: dict[str, Way] = {
     "torch": lambda x, layer: torch.ops.aten._weight_int4pack_mm_for_cpu(
         x.bfloat16(), layer.weight, INT4_GROUP_SIZE, layer.scales_and_zeros
     ),
+    # bfloat16 rows: on AMX tiles from vnni_gemm.INT4_AMX_MIN_ROWS where the build has them
     "kernel": lambda x, layer: vnni_gemm.int4_linear(x, layer.weight, layer.scales_and_zeros_bits),
+    # the same rows as float32: the integer (VNNI) kernel at every row count
+    "integer": lambda x, layer: vnni_gemm.int4_linear(
+        x.float(), layer.weight, layer.scales_and_zeros_bits
+    ),
     # what large bfloat16 batches run (int4.INT4_DEQUANTIZED_MIN_ROWS), dequantizing per call
     "dequantized": lambda x, layer: (
         x.bfloat16() @ vnni_gemm.int4_dequantize(layer.weight, layer.scales_and_zeros_bits)
@@ -98,11 +106,17 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 16])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 16])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--quantization", nargs="+", choices=["int8", "int4"], default=["int8", "int4"]
+    )
+    parser.add_argument("--name", default="vnni_gemm", help="the results file's name")
     args = parser.parse_args()
     if not vnni_gemm.KERNEL.available:
         raise SystemExit("the vnni_gemm kernels are not built here (AVX-512 VNNI and VBMI, gcc)")
     report: dict[str, Any] = {"threads": torch.get_num_threads()}
     for quantization, ways in (("int8", INT8_WAYS), ("int4", INT4_WAYS)):
+        if quantization not in args.quantization:
+            continue
         llm = build(quantization)
         gemms = []
         for rows in args.rows:
@@ -117,7 +131,7 @@ def main() -> None:
         steps = alternate_steps(llm, args.concurrency, args.rounds, choices)
         report[f"{quantization}_step_eager"] = steps
         del llm
-    write_json(RESULTS / "vnni_gemm.json", report, script_command(__file__))
+    write_json(RESULTS / f"{args.name}.json", report, script_command(__file__))
 
 
 if __name__ == "__main__":
