@@ -6,13 +6,19 @@ is ``test_engine_vs_hf.py``'s "compiled" configuration.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from llmpool.engine import LLM, SamplingParams, compilation
 from llmpool.engine.kernels.capabilities import bfloat16_kernel, probe_kernels
 from llmpool.engine.models import linear
 from llmpool.engine.models.linear import GemmChoice
+from tests.conftest import small_config
 
 
 def test_sizes_cover_one_token_each_power_of_two_one_past_it_and_the_largest() -> None:
@@ -35,14 +41,18 @@ def test_compile_is_refused_off_cpu_and_without_a_compiler(monkeypatch: pytest.M
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_compiled_quantized_float32_agrees_with_eager_in_one_graph(quantization: str) -> None:
+def test_compiled_quantized_float32_agrees_with_eager_in_one_graph(
+    quantization: str, save_small_checkpoint: Callable[[Any, Path], Path], tmp_path: Path
+) -> None:
     """Quantized decodes run kernels whose scales a compiled graph must read as tensors
     (lowering ``scale.to(bfloat16)`` inside it failed): the VNNI kernels as the opaque ops
     ``llmpool::int8_linear`` / ``int4_linear``, or torch's bfloat16 ones. Whether the VNNI
     kernels run is a flag settled before compiling: tracing its first check (which builds them)
     broke the graph and left the decoder eager, which agreement alone cannot see. The float32
     around the kernels is fused in a different order and may flip near-ties, so the bound is
-    agreement, as for int8 against float32."""
+    agreement, as for int8 against float32. A 2-layer random Llama: the graph unrolls every
+    layer, and the built-in model's 30 took minutes to compile; the layers are the same code."""
+    model = save_small_checkpoint(small_config(LlamaConfig), tmp_path / "model")
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a poem about the sea." * 6]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
@@ -50,6 +60,7 @@ def test_compiled_quantized_float32_agrees_with_eager_in_one_graph(quantization:
         compiled: [
             output.outputs[0].token_ids
             for output in LLM(
+                str(model),
                 dtype="float32",
                 quantization=quantization,
                 compile=compiled,
@@ -70,10 +81,14 @@ def test_compiled_quantized_float32_agrees_with_eager_in_one_graph(quantization:
 @pytest.mark.slow
 def test_compiled_bfloat16_gemm_choices_compile_nothing_after_start(
     monkeypatch: pytest.MonkeyPatch,
+    save_small_checkpoint: Callable[[Any, Path], Path],
+    tmp_path: Path,
 ) -> None:
     """Decodes and chunks of up to 128 rows take ``linear``'s C-kernel branch (an opaque op in
     the graph) where the kernel is built, larger prefill chunks its upcast branch: size branches
-    that the start-up compile must have covered, and the same functions as eager."""
+    that the start-up compile must have covered, and the same functions as eager. On a 2-layer
+    random Llama, as above."""
+    model = save_small_checkpoint(small_config(LlamaConfig), tmp_path / "model")
     kernel = bfloat16_kernel(probe_kernels(torch.device("cpu")))
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", lambda weight: 2.0)
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", lambda weights, kernel, rows: 2.0)
@@ -83,7 +98,7 @@ def test_compiled_bfloat16_gemm_choices_compile_nothing_after_start(
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     tokens = {}
     for compiled in (False, True):
-        llm = LLM(dtype="bfloat16", compile=compiled, max_num_batched_tokens=512)
+        llm = LLM(str(model), dtype="bfloat16", compile=compiled, max_num_batched_tokens=512)
         assert llm.engine.kernels.gemm == GemmChoice(
             linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None,
             linear.BFLOAT16_UPCAST_MIN_ROWS,

@@ -8,14 +8,18 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from transformers import LlamaConfig
 
 from llmpool.engine import LLM, SamplingParams, compile_cache, gemm_store
 from llmpool.engine.compile_cache import ARTIFACTS_FILE, KEY_FILE, CompileCache
 from llmpool.engine.kernels.capabilities import GemmProbe
 from llmpool.engine.server.cli import build_parser, engine_config
+from tests.conftest import small_config
 
 FIELDS = {
     "model": "sha256:m",
@@ -100,7 +104,8 @@ CHILD = """
 import json, logging, sys
 from llmpool.engine import LLM, SamplingParams
 logging.basicConfig(level=logging.INFO)
-llm = LLM(dtype="float32", compile=True, max_num_batched_tokens=4, compile_cache_dir=sys.argv[1])
+llm = LLM(sys.argv[3], dtype="float32", compile=True, max_num_batched_tokens=4,
+          compile_cache_dir=sys.argv[1])
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 outputs = llm.generate(json.loads(sys.argv[2]), params)
 probe = llm.engine.kernels.gemm_probe
@@ -111,10 +116,10 @@ print(json.dumps({"report": llm.engine.compile_report.as_dict(),
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
-def start_compiled(cache_dir: Path, inductor_dir: Path) -> tuple[dict, str]:
+def start_compiled(cache_dir: Path, inductor_dir: Path, model: Path) -> tuple[dict, str]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(cache_dir), json.dumps(PROMPTS)],
+        [sys.executable, "-c", CHILD, str(cache_dir), json.dumps(PROMPTS), str(model)],
         capture_output=True, text=True, env=env, timeout=900, check=True,
     )  # fmt: skip
     return json.loads(result.stdout.splitlines()[-1]), result.stderr
@@ -122,20 +127,23 @@ def start_compiled(cache_dir: Path, inductor_dir: Path) -> tuple[dict, str]:
 
 @pytest.mark.slow
 def test_a_second_start_compiles_from_the_cache_and_generates_what_eager_does(
-    tmp_path: Path,
+    save_small_checkpoint: Callable[[Any, Path], Path], tmp_path: Path
 ) -> None:
+    # A 2-layer random Llama: the compiled decoder unrolls every layer, and the built-in
+    # model's 30 took ~6 of CI's minutes to compile cold here; the cache is the same code.
+    model = save_small_checkpoint(small_config(LlamaConfig), tmp_path / "model")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    eager = LLM(dtype="float32", max_num_batched_tokens=4).generate(PROMPTS, params)
+    eager = LLM(str(model), dtype="float32", max_num_batched_tokens=4).generate(PROMPTS, params)
     expected = [out.outputs[0].token_ids for out in eager]
     cache_dir = tmp_path / "compile"
 
-    cold, log = start_compiled(cache_dir, tmp_path / "inductor-1")
+    cold, log = start_compiled(cache_dir, tmp_path / "inductor-1", model)
     assert cold["report"]["cache"] == "miss" and cold["tokens"] == expected
     assert "cold: no cached artifacts for key" in log
     [entry] = (path for path in cache_dir.iterdir() if path.name != gemm_store.FOLDER)
     assert entry.name == cold["report"]["key"]
 
-    warm, log = start_compiled(cache_dir, tmp_path / "inductor-2")
+    warm, log = start_compiled(cache_dir, tmp_path / "inductor-2", model)
     assert warm["report"] == {**warm["report"], "cache": "hit", "key": entry.name}
     assert warm["tokens"] == expected
     assert "from cached artifacts" in log
