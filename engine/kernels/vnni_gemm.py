@@ -9,7 +9,9 @@ int8 kernel computes that matmul's numbers, so int8 layers give the same result 
 size, and the int4 kernel is ~50x closer to the dequantized product than torch's. The int4
 kernel's rows share each unpacking of the codes, so it stays ahead of torch's at every row
 count (1.0-1.6x from 1 to 2,048 rows on a Zen 4 EPYC); large bfloat16 batches multiply the
-weight dequantized (:func:`int4_dequantize`) in torch's dense GEMM instead.
+weight dequantized (:func:`int4_dequantize`) in torch's dense GEMM instead. Where the CPU has AMX
+tiles, bfloat16 rows from ``INT4_AMX_MIN_ROWS`` multiply that same dequantized weight, a group of
+32 columns at a time, on tiles, without writing it out.
 """
 
 from __future__ import annotations

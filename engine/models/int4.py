@@ -147,13 +147,16 @@ class Int4Linear(nn.Module):
 
     On CPU, rows run ``vnni_gemm``'s kernel where it is built (the rows split into two int8
     parts, 15 bits): against torch's kernel on a step of SmolLM2's layers 1.0-1.6x from one row
-    to 2,048 on a Zen 4 EPYC (python benchmarks/vnni_gemm.py). Otherwise torch's fused kernel runs in
-    bfloat16 whatever the activations' dtype: its float32 variant is scalar code (on this
-    project's CPU 34x slower than the dense float32 matmul at one row, 700x at 64), while the
-    bfloat16 one reads the packed weight once and accumulates in float32. Elsewhere the weight
-    is dequantized per call (the reference path). Where ``vnni_gemm`` runs on a CPU that
-    multiplies bfloat16 natively, bfloat16 batches of ``INT4_DEQUANTIZED_MIN_ROWS`` or more
-    (prefill) multiply the weight dequantized by its C code, in torch's bfloat16 GEMM.
+    to 2,048 on a Zen 4 EPYC (python benchmarks/vnni_gemm.py); where its build has AMX tiles,
+    bfloat16 rows from ``vnni_gemm.INT4_AMX_MIN_ROWS`` multiply the weight dequantized group by
+    group on tiles instead (1.7x at 16 rows, 2.9x at 64 on a 2-core AMX Xeon). Otherwise
+    torch's fused kernel runs in bfloat16 whatever the activations' dtype: its float32 variant
+    is scalar code (on this project's CPU 34x slower than the dense float32 matmul at one row,
+    700x at 64), while the bfloat16 one reads the packed weight once and accumulates in
+    float32. Elsewhere the weight is dequantized per call (the reference path). Where
+    ``vnni_gemm`` runs on a CPU that multiplies bfloat16 natively, bfloat16 batches of
+    ``INT4_DEQUANTIZED_MIN_ROWS`` or more (prefill) multiply the weight dequantized by its C
+    code, in torch's bfloat16 GEMM.
 
     The scales and zeros are held as the int16 bits of their bfloat16 values, so that
     ``module.to(dtype)`` leaves them alone (as the uint8 codes) and the kernel gets them as they
