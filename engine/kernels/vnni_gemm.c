@@ -350,17 +350,19 @@ void int4_dequantize_bf16(const uint8_t *packed, const uint32_t *scales_and_zero
  * grows with the rows (each row multiplies every code); here the codes are dequantized once per
  * call, into the pair layout tile B wants, and the rows cost only tile products.
  *
- * A work item is half a block (32 outputs: the low nibbles for half 0, the high ones for half 1):
- * its whole K is dequantized into the thread's buffer, [2 tiles of 16 outputs][K / 2 pairs][16
- * outputs][2] bfloat16 (K * 64 bytes, in L2), then multiplied by x in pairs of 16-row tiles:
- * tmm0-3 the sums of (row tile, output tile), tmm4-5 x, tmm6-7 the weight. Elsewhere, with fewer
- * rows or where Linux refuses the tiles, the rows run int4_linear (exact in x; the same numbers
- * as before for every bfloat16 x, since a bfloat16 is a float32).
+ * A work item is half a block (32 outputs: the low nibbles for half 0, the high ones for half 1)
+ * against x in pairs of 16-row tiles: tmm0-3 the sums of (row tile, output tile), tmm4-5 x,
+ * tmm6-7 the weight. The first pair's pass dequantizes each group of 32 columns (one tile's K)
+ * into the thread's buffer, [2 tiles of 16 outputs][K / 2 pairs][16 outputs][2] bfloat16 (K * 64
+ * bytes), while the tiles multiply the group before; later pairs read it back. Elsewhere, with
+ * fewer rows or where Linux refuses the tiles, the rows run int4_linear (exact in x; the same
+ * numbers as before for every bfloat16 x, since a bfloat16 is a float32).
  */
 #ifdef __AMX_BF16__
 /* Rows from which the tiles run: below, int4_linear is as fast or faster (a step of SmolLM2's
  * int4 GEMMs on a 2-core AMX Xeon: 12.3 against 12.9 ms at 6 rows, 10-12 against 10 at 4). */
 #define INT4_AMX_MIN_ROWS 6
+_Static_assert(GROUP == 32, "a group of scales is one tile's K: 32 bfloat16 columns");
 
 /* vpermb indices: lane i of output tile q's part j (outputs 16q + 8j .. + 7 of a half, columns k
  * and k + 1, as pairs) takes byte 32 t + 16 q + 8 j + i / 2 (t = i % 2) of the 64 code bytes of
