@@ -1,7 +1,7 @@
 /* AMX tiles (Intel's tile registers and tdpbf16ps), shared by the kernels that use them
- * (bf16_gemm.c, cpu_decode.c; c_loader.py keys a build by this file's bytes too). A build has
- * them where c_loader.with_amx added -mamx-tile -mamx-bf16 (__AMX_BF16__); a kernel still asks
- * amx_permitted() before each use, and keeps its other path where Linux refuses. */
+ * (bf16_gemm.c, cpu_decode.c, vnni_gemm.c; c_loader.py keys a build by this file's bytes too). A
+ * build has them where c_loader.with_amx added -mamx-tile -mamx-bf16 (__AMX_BF16__); a kernel
+ * still asks amx_permitted() before each use, and keeps its other path where Linux refuses. */
 #ifndef LLMPOOL_AMX_TILES_H
 #define LLMPOOL_AMX_TILES_H
 
