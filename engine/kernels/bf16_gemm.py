@@ -42,10 +42,7 @@ def narrower_build(name: str) -> ctypes.CDLL | None:
     """The kernel built as ``NARROWER_BUILDS[name]``, where that differs from this CPU's build
     and the CPU can run it, so that tests and benchmarks check and time that path here too; None
     where this CPU's build is that one already, or there is none."""
-    arch = NARROWER_BUILDS[name]()
-    if arch is None or KERNEL.arch() == arch:
-        return None
-    return KERNEL.build(arch)
+    return KERNEL.narrower_build(NARROWER_BUILDS[name]())
 
 
 def bf16_linear(

@@ -163,6 +163,14 @@ class CKernel:
         """A fresh build with ``arch`` (``[]``: the portable build), not kept."""
         return build(self.source, arch, self.signatures)
 
+    def narrower_build(self, arch: Sequence[str] | None) -> ctypes.CDLL | None:
+        """A fresh build with ``arch``, a build this CPU runs that leaves out some of its own
+        build's paths, so that tests and benchmarks check and time those here too; None where
+        ``arch`` is None (the CPU cannot run it) or is this CPU's build already."""
+        if arch is None or list(arch) == self.arch():
+            return None
+        return self.build(arch)
+
     def library(self) -> ctypes.CDLL | None:
         """The kernel built for this CPU, or None where it cannot be."""
         if not self._tried:

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "amx_tiles.h"
+#include "bf16_scalar.h"
 #include "cpu_vector.h"
 
 #define SPLIT 254.0f
@@ -500,10 +501,7 @@ void int4_linear_bf16(const uint16_t *x, const uint8_t *packed, const uint32_t *
 #endif
     float *rows = malloc((size_t)(M * K) * sizeof(float));
     if (rows == NULL) abort();
-    for (int64_t i = 0; i < M * K; ++i) {
-        const uint32_t bits = (uint32_t)x[i] << 16;
-        memcpy(rows + i, &bits, sizeof bits);
-    }
+    for (int64_t i = 0; i < M * K; ++i) rows[i] = bf16_load(x[i]);
     int4_linear(rows, packed, scales_and_zeros, y, M, N, K);
     free(rows);
 }

@@ -71,10 +71,7 @@ def integer_build() -> ctypes.CDLL | None:
     """The kernels built without AMX tiles (bfloat16 rows in the integer kernel at every row
     count), where that differs from this CPU's build, so that tests and benchmarks check and time
     that path here too; None where this CPU's build is that one already, or there is none."""
-    arch = KERNEL.arch()
-    if arch is None or arch == VNNI_BUILD:
-        return None
-    return KERNEL.build(VNNI_BUILD)
+    return KERNEL.narrower_build(None if KERNEL.arch() is None else VNNI_BUILD)
 
 
 def weight_sums(weight: torch.Tensor) -> torch.Tensor:
