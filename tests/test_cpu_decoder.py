@@ -18,10 +18,9 @@ from llmpool.engine.kernels.capabilities import (
     bfloat16_kernel,
     probe_kernels,
 )
-from llmpool.engine.models.int4 import INT4_DEQUANTIZED_MIN_ROWS
 from llmpool.engine.models.linear import TORCH_GEMMS, GemmChoice
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
-from llmpool.engine.models.quantization import quantize
+from llmpool.engine.models.quantization import INT8_VNNI_MAX_ROWS, quantize
 from tests.conftest import needs_avx2, needs_cpu
 from tests.paged_batches import scattered_batch
 
@@ -128,15 +127,17 @@ def test_a_decode_step_equals_the_layer_by_layer_forward(
 
 @needs_cpu("avx512_vnni", "avx512vbmi")  # vnni_gemm's int8 and int4 decodes
 @DTYPES
-@pytest.mark.parametrize(
-    ("quantization", "max_rows"), [("int8", 16), ("int4", INT4_DEQUANTIZED_MIN_ROWS - 1)]
-)
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("qkv_bias", [False, True])
 def test_a_quantized_decode_step_equals_the_layer_by_layer_forward(
-    dtype: torch.dtype, quantization: str, max_rows: int, qkv_bias: bool
+    dtype: torch.dtype, quantization: str, qkv_bias: bool
 ) -> None:
     kernels = probe_kernels(torch.device("cpu"))  # the dense GEMMs' choice is not asked
     model = small_model(small_shape(64, qkv_bias), dtype, kernels, quantization)
+    # int4: up to the rows from which the layers dequantize (more where its rows run on tiles)
+    max_rows = (
+        INT8_VNNI_MAX_ROWS if quantization == "int8" else kernels.int4_dequantized_min_rows - 1
+    )
     assert model.cpu_decoder is not None and model.cpu_decoder.max_rows == max_rows
     # int4: more rows than the kernel's tile of 6
     assert_a_step_equals_the_layer_by_layer_forward(model, dtype, [300, 17, 40, 1, 16, 33, 5, 64])

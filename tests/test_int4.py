@@ -256,7 +256,7 @@ def test_the_int4_kernels_rows_do_not_depend_on_each_other() -> None:
 
 
 @needs_vnni_kernels
-@pytest.mark.parametrize("rows", [1, 5, 6, 16, 17, 32, 33, 64, 127])
+@pytest.mark.parametrize("rows", [1, 5, 6, 16, 17, 32, 33, 64, 127, 511])
 @pytest.mark.parametrize(("out_features", "in_features"), [(192, 128), (128, 1536)])
 def test_bfloat16_int4_rows_multiply_the_dequantized_weight_on_amx_tiles(
     out_features: int, in_features: int, rows: int
@@ -291,7 +291,7 @@ def test_a_compiled_int4_layer_dequantizes_large_bfloat16_batches_inside_its_gra
     torch.manual_seed(0)
     kernels = replace(KERNELS, native_bf16=True)
     layer = Int4Linear.from_float(torch.randn(192, 128), None, kernels).bfloat16()
-    x = torch.randn(int4.INT4_DEQUANTIZED_MIN_ROWS, 128).bfloat16()
+    x = torch.randn(kernels.int4_dequantized_min_rows, 128).bfloat16()
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
 
@@ -352,13 +352,12 @@ def test_int4_layers_run_the_vnni_kernel_at_every_row_count(
 def test_large_bfloat16_int4_batches_dequantize_where_the_cpu_multiplies_bfloat16(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
-    """From INT4_DEQUANTIZED_MIN_ROWS bfloat16 rows the layer multiplies its weight dequantized
-    to bfloat16; fewer rows, float32 rows, or a CPU without native bfloat16 products run the
-    kernel."""
+    """From the capabilities' ``int4_dequantized_min_rows`` bfloat16 rows on the layer multiplies
+    its weight dequantized to bfloat16; fewer rows, float32 rows, or a CPU without native bfloat16
+    products run the kernel."""
     torch.manual_seed(0)
-    layer = Int4Linear.from_float(torch.randn(192, 128), None, replace(KERNELS, native_bf16=True))
-    layer = layer.to(dtype)
-    monkeypatch.setattr(int4, "INT4_DEQUANTIZED_MIN_ROWS", 8)
+    kernels = replace(KERNELS, native_bf16=True, int4_dequantized_min_rows=8)
+    layer = Int4Linear.from_float(torch.randn(192, 128), None, kernels).to(dtype)
     calls = count_kernel_calls(monkeypatch, "int4_linear")
     for rows in (7, 8, 30):
         x = torch.randn(rows, 128).to(dtype)
@@ -370,6 +369,15 @@ def test_large_bfloat16_int4_batches_dequantize_where_the_cpu_multiplies_bfloat1
     layer.use_kernels(replace(KERNELS, native_bf16=False))
     layer(torch.randn(30, 128).to(dtype))
     assert calls == [*kernel_rows, 30]
+
+
+def test_int4_batches_dequantize_later_where_their_rows_run_on_amx_tiles() -> None:
+    """The probe sets the row count from which bfloat16 int4 batches dequantize by whether this
+    CPU's build multiplies them on tiles, and the C decoder's int4 steps stop just below it."""
+    tiles = vnni_gemm.KERNEL.available and vnni_gemm.int4_tiles()
+    expected = int4.INT4_TILES_DEQUANTIZED_MIN_ROWS if tiles else int4.INT4_DEQUANTIZED_MIN_ROWS
+    assert KERNELS.int4_dequantized_min_rows == expected
+    assert int4.INT4_DEQUANTIZED_MIN_ROWS < int4.INT4_TILES_DEQUANTIZED_MIN_ROWS
 
 
 def test_switched_off_quantized_layers_run_torchs_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -101,8 +101,10 @@ class KernelCapabilities:
     vnni_gemm: bool = False  # vnni_gemm.c: int8 decodes, int4 GEMMs (AVX-512 VNNI and VBMI)
     torch_int4: bool = False  # torch's own packed int4 CPU kernel exists
     # The CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), so torch's bfloat16 GEMM runs at
-    # its full rate: large int4 batches dequantize to it (int4.INT4_DEQUANTIZED_MIN_ROWS).
+    # its full rate: large int4 batches dequantize to it, from this many rows
+    # (int4.dequantized_min_rows: later where vnni_gemm's int4 rows run on AMX tiles).
     native_bf16: bool = False
+    int4_dequantized_min_rows: int = int4.INT4_DEQUANTIZED_MIN_ROWS
     int4_pack_block: int = int4.INT4_OUT_MULTIPLE  # output block of torch's int4 layout
     gemm: GemmChoice = TORCH_GEMMS  # which GEMMs run where
     # How its probes ran (None: nothing was probed): a report, not a capability, so it stays
@@ -132,6 +134,9 @@ def probe_kernels(
         vnni_gemm=on_cpu and vnni_gemm.KERNEL.available,
         torch_int4=int4.torch_has_int4_cpu_kernel(),
         native_bf16=on_cpu and bool(native_bfloat16_flags()),
+        int4_dequantized_min_rows=int4.dequantized_min_rows(
+            on_cpu and vnni_gemm.KERNEL.available and vnni_gemm.int4_tiles()
+        ),
         int4_pack_block=int4.probe_pack_block_n(),
     )
     if not on_cpu or weight_shape is None:

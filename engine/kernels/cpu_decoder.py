@@ -112,8 +112,8 @@ def projections(
     if all(isinstance(m, int4.Int4Linear) and m.vnni for m in modules):
         symbol = "int4_linear_bf16" if dtype == torch.bfloat16 else "int4_linear"
         address = _address(vnni_gemm.KERNEL.built(), symbol)
-        # Larger bfloat16 batches may dequantize instead (int4.INT4_DEQUANTIZED_MIN_ROWS).
-        return Projections(INT4, address, int4.INT4_DEQUANTIZED_MIN_ROWS - 1)
+        # Larger bfloat16 batches may dequantize instead (Int4Linear.dequantized_min_rows).
+        return Projections(INT4, address, min(m.dequantized_min_rows for m in modules) - 1)
     return None
 
 

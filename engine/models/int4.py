@@ -44,6 +44,17 @@ INT4_MID_CODE = 8
 # benchmarks/vnni_gemm.py): dequantizing costs the same at any batch, the kernel's integer
 # products grow with it.
 INT4_DEQUANTIZED_MIN_ROWS = 128
+# Where ``vnni_gemm`` multiplies bfloat16 rows on AMX tiles (``vnni_gemm.int4_tiles``) they
+# dequantize from this many rows instead: on a 2-core AMX Xeon a step's int4 GEMMs ran 1.83x
+# faster on the tiles than dequantized at 128 rows, 1.66x at 256, 0.94x at 512, 1.01x at 768
+# and 0.91x at 1,024 (python benchmarks/vnni_gemm.py --quantization int4).
+INT4_TILES_DEQUANTIZED_MIN_ROWS = 512
+
+
+def dequantized_min_rows(tiles: bool) -> int:
+    """Rows from which bfloat16 int4 batches dequantize, where ``vnni_gemm`` runs and the CPU
+    multiplies bfloat16 natively; ``tiles``: whether its int4 rows run on AMX tiles."""
+    return INT4_TILES_DEQUANTIZED_MIN_ROWS if tiles else INT4_DEQUANTIZED_MIN_ROWS
 
 
 def torch_has_int4_cpu_kernel() -> bool:
@@ -155,8 +166,8 @@ class Int4Linear(nn.Module):
     700x at 64), while the bfloat16 one reads the packed weight once and accumulates in
     float32. Elsewhere the weight is dequantized per call (the reference path). Where
     ``vnni_gemm`` runs on a CPU that multiplies bfloat16 natively, bfloat16 batches of
-    ``INT4_DEQUANTIZED_MIN_ROWS`` or more (prefill) multiply the weight dequantized by its C
-    code, in torch's bfloat16 GEMM.
+    ``INT4_DEQUANTIZED_MIN_ROWS`` or more (prefill; ``INT4_TILES_DEQUANTIZED_MIN_ROWS`` where the
+    rows run on tiles) multiply the weight dequantized by its C code, in torch's bfloat16 GEMM.
 
     The scales and zeros are held as the int16 bits of their bfloat16 values, so that
     ``module.to(dtype)`` leaves them alone (as the uint8 codes) and the kernel gets them as they
@@ -194,6 +205,7 @@ class Int4Linear(nn.Module):
             and self.pack_block == vnni_gemm.INT4_BLOCK
         )
         self.dequantizes = self.vnni and kernels.native_bf16
+        self.dequantized_min_rows = kernels.int4_dequantized_min_rows
 
     @classmethod
     def from_float(
@@ -216,7 +228,7 @@ class Int4Linear(nn.Module):
             x.device.type == "cpu"
             and self.dequantizes
             and x.dtype == torch.bfloat16
-            and rows.shape[0] >= INT4_DEQUANTIZED_MIN_ROWS
+            and rows.shape[0] >= self.dequantized_min_rows
         ):
             out = rows @ vnni_gemm.int4_dequantize_op(self.weight, self.scales_and_zeros_bits)
         elif x.device.type == "cpu" and self.vnni:
