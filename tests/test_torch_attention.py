@@ -107,11 +107,16 @@ def test_decodes_of_far_apart_lengths_and_prefill_chunks(
 @BACKENDS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_a_step_of_decodes_only(backend: Backend, dtype: torch.dtype, head_dim: int) -> None:
-    """head_dim 64 and 128 run the cpu backend's vector kernels where the CPU has AVX2 or AVX-512."""
-    seq_lens = [513, 1, 40, 1024, 77]
-    _check(seq_lens, [1] * len(seq_lens), 16, 3, backend, dtype, head_dim)
-    _check(seq_lens, [1] * len(seq_lens), 16, 8, backend, dtype, head_dim)  # 16 heads per KV head
+@pytest.mark.parametrize("queries_per_kv", [1, 2, 3, 4, 8])
+def test_a_step_of_decodes_only(
+    backend: Backend, dtype: torch.dtype, head_dim: int, queries_per_kv: int
+) -> None:
+    """head_dim 64 and 128 run the cpu backend's vector kernels where the CPU has AVX2 or AVX-512:
+    up to 4 query heads per KV head with their sums held in registers, more in memory; 5
+    sequences as work items of one KV head, 10 (4 a thread or more) of a whole sequence."""
+    few = [513, 1, 40, 1024, 77]
+    for seq_lens in (few, [*few, 700, 16, 17, 250, 3]):
+        _check(seq_lens, [1] * len(seq_lens), 16, queries_per_kv, backend, dtype, head_dim)
 
 
 @pytest.mark.skipif(not KERNELS.cpu_prefill, reason="cpu_prefill.c needs AVX2 or AVX-512")
