@@ -96,12 +96,18 @@ class DeclaredLibrary(ctypes.CDLL):
         return super().__getattr__(name)
 
 
+def included_headers(text: bytes) -> list[str]:
+    """The headers a kernel's source includes from its own folder (``#include "name.h"``), in
+    order."""
+    return [name.decode() for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)]
+
+
 def source_bytes(source: Path) -> bytes:
-    """``source`` and each header it includes from its own folder (``#include "name.h"``), in
-    order: what a build compiles, so a change to a shared header is a new build."""
+    """``source`` and each header it includes from its own folder, in order: what a build
+    compiles, so a change to a shared header is a new build."""
     text = source.read_bytes()
-    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
-    return b"\0".join([text, *((source.parent / name.decode()).read_bytes() for name in headers)])
+    headers = included_headers(text)
+    return b"\0".join([text, *((source.parent / name).read_bytes() for name in headers)])
 
 
 def build(

@@ -11,6 +11,11 @@ Two measurements, each alternating between the ways in one process:
 - the engine's whole decode step (bfloat16) with ``c`` requests of such prompts decoding,
   one engine per backend, rounds of steps alternating between them.
 
+``--against REV`` adds to the first the kernel as it was at git revision ``REV`` (``cpu_decode.c``
+and its headers then, built for this CPU as the current one is) and the current build, both
+called directly, so that a change to the kernel is timed against what it replaced in one
+process, with whether their outputs are equal.
+
     python benchmarks/decode_attention.py --concurrency 1 16 64
 
 Writes ``benchmarks/results/decode_attention.json`` (``--name``: another name) with the CPU
@@ -22,7 +27,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import random
+import subprocess
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,8 +55,11 @@ from llmpool.engine.kv_cache import LayerKVCache
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, LAYERS = 16, 9, 3, 64, 30
 
 
-def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
-    """A step's attention (``LAYERS`` layers), in microseconds."""
+def layer_microseconds(
+    concurrency: int, dtype: torch.dtype, rounds: int, against: str | None = None
+) -> dict[str, Any]:
+    """A step's attention (``LAYERS`` layers), in microseconds; with ``against``, also through
+    the kernel of that git revision."""
     rng = random.Random(concurrency)
     lens = [rng.randint(*CONTEXT) for _ in range(concurrency)]
     meta = paged_batch(lens, [1] * concurrency, BLOCK_SIZE, seed=concurrency)
@@ -88,13 +99,27 @@ def layer_microseconds(concurrency: int, dtype: torch.dtype, rounds: int) -> dic
         return run
 
     ways = {name: attend(name) for name in backends}
-    for name, library in other_builds().items():  # built once, then found in the kernel cache
+    builds = other_builds()  # built once, then found in the kernel cache
+    if against is not None:  # both called as the builds are, without the backend's planning
+        current = cpu_decode.KERNEL.library()
+        if current is None:
+            raise SystemExit("--against: cpu_decode.c does not build here")
+        builds |= {"current": current, against: build_at_revision(against)}
+    for name, library in builds.items():
         ways[name] = built(name, library)
     ms = alternating_step_ms(ways, rounds, steps=3)
     medians = {name: value * 1e3 for name, value in ms.items()}
     return {
         "us": medians,
         **{f"{name}_over_cpu": medians[name] / medians["cpu"] for name in medians if name != "cpu"},
+        **(
+            {}
+            if against is None
+            else {
+                f"{against}_over_current": medians[against] / medians["current"],
+                f"{against}_equal_to_current": torch.equal(outputs[against], outputs["current"]),
+            }
+        ),
         "max_abs_difference": {
             name: float((outputs["torch"].float() - outputs[name].float()).abs().max())
             for name in outputs
@@ -110,6 +135,29 @@ def other_builds() -> dict[str, ctypes.CDLL]:
     if vector != cpu_decode.KERNEL.arch():
         builds["vector"] = cpu_decode.KERNEL.build(vector)
     return {name: library for name, library in builds.items() if library is not None}
+
+
+def build_at_revision(revision: str) -> ctypes.CDLL:
+    """``cpu_decode.c`` as it was at git ``revision``, with the headers it included then, built
+    with this CPU's flags for the current kernel."""
+    kernels = cpu_decode.KERNEL.source.parent
+
+    def show(name: str) -> bytes:
+        return subprocess.run(
+            ["git", "-C", str(kernels), "show", f"{revision}:./{name}"],
+            capture_output=True,
+            check=True,
+        ).stdout
+
+    folder = Path(tempfile.mkdtemp(prefix=f"cpu_decode-{revision}-"))
+    source = folder / cpu_decode.KERNEL.source.name
+    source.write_bytes(show(source.name))
+    for header in c_loader.included_headers(source.read_bytes()):
+        (folder / header).write_bytes(show(header))
+    library = c_loader.build(source, cpu_decode.KERNEL.arch() or [], cpu_decode.KERNEL.signatures)
+    if library is None:
+        raise SystemExit(f"cpu_decode.c at {revision} does not build here (see the log)")
+    return library
 
 
 def step_milliseconds(concurrencies: list[int], rounds: int) -> list[dict[str, Any]]:
@@ -146,13 +194,18 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--name", default="decode_attention")
+    parser.add_argument(
+        "--against", metavar="REV", help="also time the kernel of this git revision"
+    )
     args = parser.parse_args()
     report = {
         "threads": torch.get_num_threads(),
         "layer": per_dtype(
             "concurrency",
             args.concurrency,
-            lambda concurrency, dtype: layer_microseconds(concurrency, dtype, args.rounds),
+            lambda concurrency, dtype: layer_microseconds(
+                concurrency, dtype, args.rounds, args.against
+            ),
         ),
         "step_bfloat16": step_milliseconds(args.concurrency, args.rounds),
     }
