@@ -47,7 +47,7 @@ from llmpool.bench.steps import (
     start_decoding,
 )
 from llmpool.engine import LLM
-from llmpool.engine.attention import TORCH, Backend, select_backend
+from llmpool.engine.attention import TORCH, AttentionMetadata, Backend, select_backend
 from llmpool.engine.kernels import c_loader, cpu_decode
 from llmpool.engine.kernels.capabilities import probe_kernels
 from llmpool.engine.kv_cache import LayerKVCache
@@ -60,16 +60,7 @@ def layer_microseconds(
 ) -> dict[str, Any]:
     """A step's attention (``LAYERS`` layers), in microseconds; with ``against``, also through
     the kernel of that git revision."""
-    rng = random.Random(concurrency)
-    lens = [rng.randint(*CONTEXT) for _ in range(concurrency)]
-    meta = paged_batch(lens, [1] * concurrency, BLOCK_SIZE, seed=concurrency)
-    num_blocks = int(meta.block_tables.max()) + 1
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    caches = [
-        LayerKVCache(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
-        for _ in range(LAYERS)
-    ]
-    query = torch.randn(concurrency, NUM_HEADS, HEAD_DIM).to(dtype)
+    meta, caches, query = decodes(concurrency, dtype)
     cpu = torch.device("cpu")
     backends: dict[str, Backend] = {
         "torch": TORCH,
@@ -100,11 +91,8 @@ def layer_microseconds(
 
     ways = {name: attend(name) for name in backends}
     builds = other_builds()  # built once, then found in the kernel cache
-    if against is not None:  # both called as the builds are, without the backend's planning
-        current = cpu_decode.KERNEL.library()
-        if current is None:
-            raise SystemExit("--against: cpu_decode.c does not build here")
-        builds |= {"current": current, against: build_at_revision(against)}
+    if against is not None:
+        builds |= against_builds(against)
     for name, library in builds.items():
         ways[name] = built(name, library)
     ms = alternating_step_ms(ways, rounds, steps=3)
@@ -112,20 +100,30 @@ def layer_microseconds(
     return {
         "us": medians,
         **{f"{name}_over_cpu": medians[name] / medians["cpu"] for name in medians if name != "cpu"},
-        **(
-            {}
-            if against is None
-            else {
-                f"{against}_over_current": medians[against] / medians["current"],
-                f"{against}_equal_to_current": torch.equal(outputs[against], outputs["current"]),
-            }
-        ),
+        **({} if against is None else against_report(against, medians, outputs)),
         "max_abs_difference": {
             name: float((outputs["torch"].float() - outputs[name].float()).abs().max())
             for name in outputs
             if name != "torch"
         },
     }
+
+
+def decodes(
+    concurrency: int, dtype: torch.dtype
+) -> tuple[AttentionMetadata, list[LayerKVCache], torch.Tensor]:
+    """A step's decodes of 40-700-token contexts: their metadata (random block tables over one
+    pool), each layer's own cache, and their queries."""
+    rng = random.Random(concurrency)
+    lens = [rng.randint(*CONTEXT) for _ in range(concurrency)]
+    meta = paged_batch(lens, [1] * concurrency, BLOCK_SIZE, seed=concurrency)
+    num_blocks = int(meta.block_tables.max()) + 1
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    caches = [
+        LayerKVCache(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+        for _ in range(LAYERS)
+    ]
+    return meta, caches, torch.randn(concurrency, NUM_HEADS, HEAD_DIM).to(dtype)
 
 
 def other_builds() -> dict[str, ctypes.CDLL]:
@@ -135,6 +133,25 @@ def other_builds() -> dict[str, ctypes.CDLL]:
     if vector != cpu_decode.KERNEL.arch():
         builds["vector"] = cpu_decode.KERNEL.build(vector)
     return {name: library for name, library in builds.items() if library is not None}
+
+
+def against_builds(revision: str) -> dict[str, ctypes.CDLL]:
+    """The current build and ``revision``'s, both called as the other builds are (without the
+    backend's planning), so that their times compare."""
+    current = cpu_decode.KERNEL.library()
+    if current is None:
+        raise SystemExit("--against: cpu_decode.c does not build here")
+    return {"current": current, revision: build_at_revision(revision)}
+
+
+def against_report(
+    revision: str, medians: dict[str, float], outputs: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """How ``revision``'s kernel compares with the current one: time ratio, equal outputs."""
+    return {
+        f"{revision}_over_current": medians[revision] / medians["current"],
+        f"{revision}_equal_to_current": torch.equal(outputs[revision], outputs["current"]),
+    }
 
 
 def build_at_revision(revision: str) -> ctypes.CDLL:
