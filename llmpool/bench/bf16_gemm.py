@@ -13,6 +13,9 @@ Two measurements, each alternating between the ways in one process:
   decoding, rounds of steps alternating between the kernel up to the rows its start-up probe
   chose (``probed``) and torch throughout (the choice is one engine: ``kernel_up_to``).
 
+``--against REV`` adds to the first the kernel as it was at git revision ``REV``, built for this
+CPU as the current one is (``llmpool.bench.revision``): its ratio ``REV_over_kernel``.
+
     python benchmarks/bf16_gemm.py --rows 1 4 16 64 128 256 512 --concurrency 1 16 64
 
 Writes ``benchmarks/results/bf16_gemm.json`` (``--name``: another name) with the CPU model.
@@ -30,6 +33,7 @@ import torch
 
 from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
+from llmpool.bench.revision import kernel_at_revision
 from llmpool.bench.steps import alternate_steps, gemm_ms, gemm_weights, layer_by_layer
 from llmpool.engine import LLM
 from llmpool.engine.kernels import bf16_gemm
@@ -100,6 +104,9 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--name", default="bf16_gemm", help="the results file's name")
+    parser.add_argument(
+        "--against", metavar="REV", help="also time the kernel of this git revision"
+    )
     args = parser.parse_args()
     if not bf16_gemm.KERNEL.available:
         raise SystemExit("the bf16_gemm kernel is not built here (it needs AVX-512 and gcc)")
@@ -109,6 +116,9 @@ def main() -> None:
     probed = llm.engine.kernels.gemm.bfloat16_kernel_max_rows
     print(f"the start-up probe runs GEMMs of up to {probed} rows in the kernel", flush=True)
     ways = with_narrower_builds(WAYS)
+    if args.against is not None:
+        library = kernel_at_revision(bf16_gemm.KERNEL, args.against)
+        ways[args.against] = functools.partial(bf16_gemm.bf16_linear, library=library)
     gemms = []
     for rows in args.rows:
         gemms.append(step_gemms(weights, rows, args.rounds, ways))

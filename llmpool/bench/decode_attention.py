@@ -27,16 +27,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import random
-import subprocess
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from llmpool.bench.launch import build_in_ended_thread
 from llmpool.bench.results import RESULTS, script_command, write_json
+from llmpool.bench.revision import kernel_at_revision
 from llmpool.bench.steps import (
     CONTEXT,
     ENDLESS,
@@ -141,7 +139,7 @@ def against_builds(revision: str) -> dict[str, ctypes.CDLL]:
     current = cpu_decode.KERNEL.library()
     if current is None:
         raise SystemExit("--against: cpu_decode.c does not build here")
-    return {"current": current, revision: build_at_revision(revision)}
+    return {"current": current, revision: kernel_at_revision(cpu_decode.KERNEL, revision)}
 
 
 def against_report(
@@ -152,29 +150,6 @@ def against_report(
         f"{revision}_over_current": medians[revision] / medians["current"],
         f"{revision}_equal_to_current": torch.equal(outputs[revision], outputs["current"]),
     }
-
-
-def build_at_revision(revision: str) -> ctypes.CDLL:
-    """``cpu_decode.c`` as it was at git ``revision``, with the headers it included then, built
-    with this CPU's flags for the current kernel."""
-    kernels = cpu_decode.KERNEL.source.parent
-
-    def show(name: str) -> bytes:
-        return subprocess.run(
-            ["git", "-C", str(kernels), "show", f"{revision}:./{name}"],
-            capture_output=True,
-            check=True,
-        ).stdout
-
-    folder = Path(tempfile.mkdtemp(prefix=f"cpu_decode-{revision}-"))
-    source = folder / cpu_decode.KERNEL.source.name
-    source.write_bytes(show(source.name))
-    for header in c_loader.included_headers(source.read_bytes()):
-        (folder / header).write_bytes(show(header))
-    library = c_loader.build(source, cpu_decode.KERNEL.arch() or [], cpu_decode.KERNEL.signatures)
-    if library is None:
-        raise SystemExit(f"cpu_decode.c at {revision} does not build here (see the log)")
-    return library
 
 
 def step_milliseconds(concurrencies: list[int], rounds: int) -> list[dict[str, Any]]:
