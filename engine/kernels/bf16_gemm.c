@@ -281,10 +281,11 @@ static void widened_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, in
  * Used where K is whole 32-element chunks and for the outputs of whole 16-row blocks; the rest
  * runs in dp_linear's code. */
 #define AMX_CHUNKS 4 /* tiles of 16 x rows per group: tmm0-3 the sums, tmm4 the weight, tmm5 x */
-/* With 2+ tiles of x rows a weight tile's products take long enough to hide a fetch behind: the
- * 16 weight rows' lines WEIGHT_AHEAD chunks of K on are prefetched meanwhile (a step's GEMMs
- * 1.10x faster at 32 rows, 1.13x at 64, 1.08x at 128 on a 2-core AMX Xeon); with one tile the
- * loop waits on memory anyway and the prefetches only add to it. */
+/* With AMX_CHUNKS tiles of x rows a weight tile's products take long enough to hide a fetch
+ * behind: the 16 weight rows' lines WEIGHT_AHEAD chunks of K on are prefetched meanwhile (a
+ * step's GEMMs 1.15-1.20x faster at 64 rows, 1.10-1.17x at 128 on a 2-core AMX Xeon: python
+ * benchmarks/bf16_gemm.py --against); with fewer the loop waits on memory anyway and the
+ * prefetches cost up to 8% (32 rows). */
 #define WEIGHT_AHEAD 4
 #define AMX_MIN_ROWS 2 /* x rows from which the tiles run (1 row: dp_few_rows streams as fast) */
 
@@ -327,7 +328,7 @@ static inline __attribute__((always_inline)) void amx_block(const uint32_t *pair
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kc = 0; kc < kcs; ++kc) {
-        if (chunks > 1 && kc + WEIGHT_AHEAD < kcs)
+        if (chunks == AMX_CHUNKS && kc + WEIGHT_AHEAD < kcs)
             for (int64_t r = 0; r < 16; ++r)
                 _mm_prefetch((const char *)(w + (col + r) * K + (kc + WEIGHT_AHEAD) * 32), _MM_HINT_T0);
         _tile_loadd(4, w + col * K + kc * 32, K * 2);
