@@ -1,7 +1,11 @@
 """Sampler: turns one step's logits into next tokens, each request with its own parameters.
 
-Work is batched over requests; the only per-request loop draws seeded noise, so that a request
-with a seed samples the same tokens whatever else shares its batch.
+Work is batched over requests; the only per-request loop draws seeded uniforms, so that a
+request with a seed samples the same tokens whatever else shares its batch. Top-k and top-p are
+one probability threshold a row (``keep_thresholds``, no sort of the vocabulary), and a row draws
+its token by inverse transform: one uniform and a cumulative sum, not noise over the vocabulary. A step whose requests all
+take the argmax of their logits as they come (greedy, nothing that changes the logits, no
+logprobs, no drafts) skips all of that: one C kernel over the LM head's own dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmpool.engine.kernels.sampling import greedy_tokens, keep_thresholds
 from llmpool.engine.request import Request
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.spec_decode import rejection
@@ -31,10 +36,25 @@ class Sampler:
         allowed: torch.Tensor | None = None,
         drafts: Sequence[list[int]] | None = None,
     ) -> SamplerOutput:
-        """``logits`` is float32 with one row per sampling request, or with ``drafts``, ``1 +
-        len(drafts[i])`` rows for request ``i`` (spec_decode/rejection.py); ``allowed`` (one
-        row per request, bool) is False where a request's grammar forbids a token."""
+        """``logits`` (the LM head's dtype; the sampler works in float32) has one row per
+        sampling request, or with ``drafts``, ``1 + len(drafts[i])`` rows for request ``i``
+        (spec_decode/rejection.py); ``allowed`` (one row per request, bool) is False where a
+        request's grammar forbids a token."""
+        if allowed is None and not any(drafts or []) and all(map(_takes_the_argmax, requests)):
+            tokens = greedy_tokens(logits).tolist()
+            return SamplerOutput([[token] for token in tokens], [None] * len(tokens))
+        return self.full(logits, requests, allowed, drafts)
+
+    def full(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        allowed: torch.Tensor | None = None,
+        drafts: Sequence[list[int]] | None = None,
+    ) -> SamplerOutput:
+        """``__call__`` by the whole path whatever the requests ask, in float32."""
         drafts = drafts if drafts is not None else [[] for _ in requests]
+        logits = logits.float()
         counts = [len(draft) + 1 for draft in drafts]
         rows = [r for r, count in zip(requests, counts, strict=True) for _ in range(count)]
         if allowed is not None and len(rows) > len(requests):
@@ -136,13 +156,13 @@ class Sampler:
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
         probs = _filter_top_k_top_p_min_p(probs, params)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; seeded rows draw E
-        # from their own generator so their choices do not depend on the batch.
-        noise = torch.empty_like(probs).exponential_()
+        # One uniform draw a row; seeded rows draw it from their own generator, so that their
+        # choices do not depend on the batch.
+        uniform = torch.rand(len(rows))
         for row, request in enumerate(rows):
             if request.generator is not None:
-                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=request.generator)
-        sampled = (rejection.without_drafts(probs, draft_tokens) / noise).argmax(dim=-1)
+                uniform[row] = torch.rand(1, generator=request.generator)
+        sampled = _inverse_transform(rejection.without_drafts(probs, draft_tokens), uniform)
         argmax = greedy_tokens(logits)
         # Draws only when some row has a draft, so that steps without drafts sample as before.
         has_drafts = bool((draft_tokens != rejection.NO_DRAFT).any())
@@ -172,27 +192,33 @@ class Sampler:
 
 
 def _filter_top_k_top_p_min_p(probs: torch.Tensor, params: list) -> torch.Tensor:
-    """Zero out tokens outside each row's top-k, top-p nucleus and min-p floor."""
+    """Zero out tokens outside each row's top-k, top-p nucleus and min-p floor (in place)."""
     top_k = torch.tensor([p.top_k for p in params])
     top_p = torch.tensor([p.top_p for p in params])
     min_p = torch.tensor([p.min_p for p in params])
-    if bool((min_p > 0).any()):
-        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(probs.shape[1])[None, :]
-        k = torch.where(top_k > 0, top_k, probs.shape[1])[:, None]
-        cumulative = sorted_probs.cumsum(dim=-1)
-        # Keep a token if the mass before it is below top_p (so the first one always stays).
-        keep = (ranks < k) & ((cumulative - sorted_probs) < top_p[:, None])
-        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    if bool((min_p > 0).any()) or bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        keep_thresholds(probs, top_k, top_p, min_p)
     return probs
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's most likely token (the first of equals, as ``argmax``). torch's ``max`` over
-    the last dimension runs 3x as fast as its ``argmax`` on CPU (float32 [64, 49152]: 0.9
-    against 2.7 ms on an Intel Xeon with AMX)."""
-    return logits.max(dim=-1).indices
+def _inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's token drawn from its (unnormalized) ``probs`` by one ``uniform`` in [0, 1):
+    the first token whose cumulative probability passes ``uniform`` times the row's total. A
+    token of probability 0 is never drawn: the cumulative sum does not pass anything there."""
+    cumulative = probs.cumsum(dim=-1)
+    targets = (uniform * cumulative[:, -1])[:, None]
+    tokens = torch.searchsorted(cumulative, targets, right=True)[:, 0]
+    return tokens.clamp_(max=probs.shape[1] - 1)
+
+
+def _takes_the_argmax(request: Request) -> bool:
+    """Whether the request's next token is the argmax of its logits as the model gave them:
+    greedy, with no bias, penalty or min_tokens ban to apply first, and no logprobs to report."""
+    params = request.sampling_params
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and not params.uses_penalties
+        and request.num_output_tokens >= params.min_tokens
+    )

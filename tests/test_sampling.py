@@ -7,7 +7,7 @@ import torch
 
 from llmpool.engine import LLM, SamplingParams
 from llmpool.engine.request import Request
-from llmpool.engine.sampler import Sampler, greedy_tokens
+from llmpool.engine.sampler import Sampler
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 
@@ -183,12 +183,50 @@ def test_choices_share_their_params_lists_and_logit_bias_applies_per_row() -> No
     assert Sampler()(logits, requests).token_ids == [[3], [0], [0], [3]]
 
 
-def test_greedy_tokens_are_argmax_ties_and_nan_included() -> None:
-    """The first of equal maxima, and a NaN row's NaN, as torch's argmax chooses."""
-    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
-    logits[3, [20, 10, 30]] = 100.0
-    logits[5, 7] = float("nan")
-    logits[6] = 1.0
-    tokens = greedy_tokens(logits)
-    assert torch.equal(tokens, logits.argmax(dim=-1))
-    assert tokens[[3, 5, 6]].tolist() == [10, 7, 0]
+def test_a_step_that_only_takes_argmaxes_samples_what_the_full_path_samples() -> None:
+    """The argmax-only step (bfloat16 logits straight into greedy.c) against the same rows
+    through the full path, which a row with logprobs, min_tokens or a penalty sends the batch
+    down; and those rows still get what they asked for."""
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(1)).bfloat16()
+    logits[:, 7] = logits.max() + 1  # every row's argmax, EOS below
+    plain = [Request(f"r{i}", [1], SamplingParams(temperature=0), frozenset({7})) for i in range(6)]
+    fast = Sampler()(logits, plain)
+    assert fast.token_ids == [[7]] * 6 and fast.logprobs == [None] * 6
+    for changed in (
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=0, min_tokens=1),
+        SamplingParams(temperature=0, repetition_penalty=2.0),
+    ):
+        rows = [*plain[:5], Request("x", [7], changed, frozenset({7}))]
+        full = Sampler()(logits, rows)
+        assert full.token_ids[:5] == fast.token_ids[:5]
+        assert full.token_ids[5] == [7] if changed.logprobs else full.token_ids[5] != [7]
+        assert (full.logprobs[5] is not None) == (changed.logprobs is not None)
+
+
+@pytest.mark.parametrize(
+    ("params", "kept"),
+    [
+        ({}, [0, 1, 2, 3, 4]),
+        ({"top_k": 2}, [0, 1]),
+        ({"top_p": 0.8}, [0, 1, 2]),  # 0.4 + 0.3 < 0.8 <= 0.4 + 0.3 + 0.15
+        ({"top_p": 0.8, "top_k": 4}, [0, 1, 2]),
+        ({"min_p": 0.3}, [0, 1, 2]),  # at least 0.3 x 0.4
+    ],
+)
+def test_sampled_tokens_follow_the_kept_distribution(params: dict, kept: list[int]) -> None:
+    """20,000 rows drawn at temperature 1: each kept token as often as its renormalized
+    probability (within ~6 standard deviations), the others never."""
+    torch.manual_seed(0)
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0])
+    draws = 20000
+    requests = [
+        Request(str(i), [1], SamplingParams(temperature=1.0, **params), frozenset())
+        for i in range(draws)
+    ]
+    tokens = Sampler()(probs.log().repeat(draws, 1), requests).token_ids
+    frequencies = torch.bincount(torch.tensor(tokens)[:, 0], minlength=6).float() / draws
+    expected = torch.zeros(6)
+    expected[kept] = probs[kept] / probs[kept].sum()
+    assert torch.allclose(frequencies, expected, atol=0.02), frequencies
+    assert frequencies[[t for t in range(6) if t not in kept]].sum() == 0

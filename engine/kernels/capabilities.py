@@ -29,6 +29,7 @@ from llmpool.engine.kernels import (
     cpu_lora,
     cpu_prefill,
     cpu_share,
+    sampling,
     vnni_gemm,
 )
 from llmpool.engine.models import int4, linear
@@ -96,6 +97,7 @@ class KernelCapabilities:
     cpu_lora: bool = False  # cpu_lora.c: the CPU backend's adapter deltas
     cpu_layer_ops: bool = False  # cpu_layer_ops.c: the CPU backend's norms and rotary
     cpu_decoder: bool = False  # cpu_decoder.c: decode steps' layers in one call (those kernels')
+    sampling: bool = False  # sampling.c: argmax, top-k and top-p (logits are sampled on the CPU)
     bf16_gemm: bool = False  # bf16_gemm.c is built (AVX-512); whether it runs: ``gemm``
     avx2_gemm: bool = False  # avx2_gemm.c is built (AVX2 and FMA); whether it runs: ``gemm``
     vnni_gemm: bool = False  # vnni_gemm.c: int8 decodes, int4 GEMMs (AVX-512 VNNI and VBMI)
@@ -129,6 +131,7 @@ def probe_kernels(
         cpu_lora=on_cpu and cpu_lora.KERNEL.available,
         cpu_layer_ops=on_cpu and cpu_layer_ops.KERNEL.available,
         cpu_decoder=on_cpu and cpu_decoder.KERNEL.available,
+        sampling=sampling.KERNEL.available,
         bf16_gemm=on_cpu and bf16_gemm.KERNEL.available,
         avx2_gemm=on_cpu and avx2_gemm.KERNEL.available,
         vnni_gemm=on_cpu and vnni_gemm.KERNEL.available,

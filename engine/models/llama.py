@@ -312,6 +312,8 @@ class LlamaForCausalLM(nn.Module):
         return [(layer.k_scale, layer.v_scale) for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits in the model's dtype: the sampler converts them to float32 only
+        where it does more than take their argmax."""
         if isinstance(self.lm_head, nn.Module):  # quantized
-            return self.lm_head(hidden).float()
-        return linear(hidden, self.lm_head, gemm=self.gemm).float()
+            return self.lm_head(hidden)
+        return linear(hidden, self.lm_head, gemm=self.gemm)

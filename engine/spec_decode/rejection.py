@@ -24,8 +24,8 @@ def draft_per_row(drafts: Sequence[list[int]]) -> torch.Tensor:
 
 
 def without_drafts(probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
-    """``probs`` with each row's draft token at zero (what a rejection samples from; the race
-    of ``argmax(p / E)`` needs no renormalizing)."""
+    """``probs`` with each row's draft token at zero (what a rejection samples from; the
+    sampler's inverse transform needs no renormalizing)."""
     has_draft = draft_tokens != NO_DRAFT
     if not bool(has_draft.any()):
         return probs

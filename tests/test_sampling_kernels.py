@@ -1,0 +1,129 @@
+"""``greedy.c``'s argmax against torch's, in every build: the first of equal maxima, a NaN above
+any number, infinities, and widths on both sides of a vector."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmpool.engine.cpu_features import cpu_flags
+from llmpool.engine.kernels import c_loader, sampling
+from llmpool.engine.kernels.sampling import greedy_tokens
+
+BUILDS = {
+    "this CPU": None,
+    "avx2": c_loader.AVX2_BUILD,
+    "avx512": c_loader.AVX512_BUILD,
+    "portable": [],
+}
+NEEDS = {"avx2": c_loader.AVX2_FLAGS, "avx512": c_loader.AVX512_FLAGS}
+
+
+def awkward_rows(width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random rows, then rows with ties, a NaN, infinities, one value throughout."""
+    logits = torch.randn(12, width, generator=torch.Generator().manual_seed(width))
+    logits[1, [width - 1, width // 2, width // 3]] = 100.0  # the first of three ties
+    logits[2, width - 1] = float("nan")  # after the maximum: still the argmax
+    logits[3, [width // 2, width - 1]] = float("nan")  # the first of two NaNs
+    logits[4, width // 2] = float("inf")
+    logits[5] = float("-inf")
+    logits[6] = 1.0
+    logits[7, width - 1] = 50.0  # in the tail past the last whole vector
+    logits[8, 0] = 50.0
+    logits[9, :] = -0.0
+    logits[9, width - 1] = 0.0  # equal to -0.0: the first zero wins
+    return logits.to(dtype)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [1, 2, 7, 8, 9, 15, 16, 17, 64, 1000, 49152, 49155])
+def test_the_kernel_chooses_what_torch_argmax_chooses(
+    monkeypatch: pytest.MonkeyPatch, build: str, dtype: torch.dtype, width: int
+) -> None:
+    flags = BUILDS[build]
+    if flags is not None:
+        if not cpu_flags() >= NEEDS.get(build, frozenset()):
+            pytest.skip(f"this CPU cannot run the {build} build")
+        library = sampling.KERNEL.build(flags)
+        assert library is not None
+        monkeypatch.setattr(sampling.KERNEL, "library", lambda: library)
+    assert sampling.KERNEL.available
+    logits = awkward_rows(width, dtype)
+    tokens = greedy_tokens(logits)
+    assert tokens.dtype == torch.int64
+    assert torch.equal(tokens, logits.float().argmax(dim=-1))
+    assert torch.equal(greedy_tokens(logits[3:4]), logits[3:4].float().argmax(dim=-1))  # one row
+
+
+def test_what_the_kernel_does_not_take_goes_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Columns apart in memory, float16, no rows, no compiler: torch's max, the same choice."""
+    logits = awkward_rows(300, torch.float32)
+    assert torch.equal(greedy_tokens(logits.t().contiguous().t()), logits.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(logits.half()), logits.half().argmax(dim=-1))
+    assert greedy_tokens(logits[:0]).shape == (0,)
+    monkeypatch.setattr(sampling.KERNEL, "library", lambda: None)
+    assert torch.equal(greedy_tokens(logits.bfloat16()), logits.bfloat16().argmax(dim=-1))
+
+
+def nucleus_rows(width: int) -> tuple[torch.Tensor, ...]:
+    """Probabilities (powers of two, so that no mass lands on a boundary by rounding), with a row
+    that min-p has thinned (summing below 1) and a row of ties; each row's top-k, top-p and min-p,
+    every one of them on, off, or past the row's width."""
+    generator = torch.Generator().manual_seed(width)
+    probs = torch.softmax(3 * torch.randn(16, width, generator=generator), dim=-1)
+    probs = torch.exp2(probs.log2().round())
+    probs[3, width // 2 :] = 0.0  # thinned by min-p
+    probs[4] = 1.0 / width  # all tied
+    top_k = torch.tensor([0, 1, 2, 5, 3, width, width + 7, 0, 40, 1, 0, 3, 2, 0, 1, 9])
+    top_p = torch.tensor(
+        [1, 1, 0.5, 0.9, 0.3, 0.99, 0.2, 0.1, 1, 0.7, 0.95, 1, 0.6, 1e-6, 0.4, 0.8]
+    )
+    min_p = torch.tensor([0, 0, 0, 0.1, 0, 0, 0, 0, 0, 0, 0.5, 0.01, 0, 0, 0, 0.2])
+    return probs, top_k, top_p, min_p
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("width", [1, 5, 16, 17, 300, 49152])
+def test_keep_thresholds_are_the_sorted_rows_thresholds(
+    monkeypatch: pytest.MonkeyPatch, build: str, width: int
+) -> None:
+    """The kernel's bisection against the thresholds read off each row sorted: min-p times the
+    largest, the k-th largest probability, and the one at which the largest first add up to
+    top_p; the tokens below zeroed in place."""
+    flags = BUILDS[build]
+    if flags is not None:
+        if not cpu_flags() >= NEEDS.get(build, frozenset()):
+            pytest.skip(f"this CPU cannot run the {build} build")
+        library = sampling.KERNEL.build(flags)
+        assert library is not None
+        monkeypatch.setattr(sampling.KERNEL, "library", lambda: library)
+    probs, top_k, top_p, min_p = nucleus_rows(width)
+    kept = probs.clone()
+    thresholds = sampling.keep_thresholds(kept, top_k, top_p, min_p)
+    assert torch.equal(thresholds, sampling.thresholds_by_sort(probs, top_k, top_p, min_p))
+    assert torch.equal(kept, torch.where(probs >= thresholds[:, None], probs, 0.0))
+    off, ones = torch.zeros(16), torch.ones(16)
+    by_k = sampling.keep_thresholds(probs.clone(), top_k, ones, off)
+    by_p = sampling.keep_thresholds(probs.clone(), off.long(), top_p, off)
+    by_min_p = sampling.keep_thresholds(probs.clone(), off.long(), ones, min_p)
+    assert torch.equal(thresholds, torch.maximum(torch.maximum(by_k, by_p), by_min_p))
+    on_k = (top_k > 0) & (top_k < width)
+    counts = (probs >= by_k[:, None]).sum(dim=-1), (probs > by_k[:, None]).sum(dim=-1)
+    assert bool((counts[0][on_k] >= top_k[on_k]).all() and (counts[1][on_k] < top_k[on_k]).all())
+    on_p = (top_p < 1) & (probs.sum(dim=-1) >= top_p)  # a thinned row may not reach top_p
+    masses = (probs * (probs >= by_p[:, None])).sum(-1), (probs * (probs > by_p[:, None])).sum(-1)
+    assert bool((masses[0][on_p] >= top_p[on_p]).all() and (masses[1][on_p] < top_p[on_p]).all())
+    assert torch.equal(by_min_p, min_p * probs.max(dim=-1).values)
+    assert bool(((by_k == 0) == ~on_k).all() and ((by_p == 0) == ~on_p).all())
+    assert bool((kept[4] > 0).all())  # ties at the threshold all stay
+
+
+def test_keep_thresholds_without_a_compiler_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    probs, top_k, top_p, min_p = nucleus_rows(300)
+    kept = probs.clone()
+    expected = sampling.keep_thresholds(kept, top_k, top_p, min_p)
+    monkeypatch.setattr(sampling.KERNEL, "library", lambda: None)
+    fallback = probs.clone()
+    assert torch.equal(sampling.keep_thresholds(fallback, top_k, top_p, min_p), expected)
+    assert torch.equal(fallback, kept)
