@@ -1,9 +1,10 @@
 """Sampler: turns one step's logits into next tokens, each request with its own parameters.
 
 Work is batched over requests; the only per-request loop draws seeded uniforms, so that a
-request with a seed samples the same tokens whatever else shares its batch. Top-k and top-p are
-one probability threshold a row (``keep_thresholds``, no sort of the vocabulary), and a row draws
-its token by inverse transform: one uniform and a cumulative sum, not noise over the vocabulary. A step whose requests all
+request with a seed samples the same tokens whatever else shares its batch. Min-p, top-k and
+top-p are one probability threshold a row (``keep_thresholds``, no sort of the vocabulary), and a
+row draws its token by inverse transform: one uniform and a running sum, not noise over the
+vocabulary; on CPU all of it is one C call (``sample_rows``), torch's ops elsewhere. A step whose requests all
 take the argmax of their logits as they come (greedy, nothing that changes the logits, no
 logprobs, no drafts) skips all of that: one C kernel over the LM head's own dtype.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmpool.engine.kernels.sampling import greedy_tokens, keep_thresholds
+from llmpool.engine.kernels.sampling import greedy_tokens, keep_thresholds, sample_rows
 from llmpool.engine.request import Request
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.spec_decode import rejection
@@ -154,22 +155,33 @@ class Sampler:
         be rejected) and whether the row accepts its draft."""
         params = [r.sampling_params for r in rows]
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
-        probs = torch.softmax(logits / temperature[:, None], dim=-1)
-        probs = _filter_top_k_top_p_min_p(probs, params)
+        top_k = torch.tensor([p.top_k for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        min_p = torch.tensor([p.min_p for p in params])
         # One uniform draw a row; seeded rows draw it from their own generator, so that their
         # choices do not depend on the batch.
         uniform = torch.rand(len(rows))
         for row, request in enumerate(rows):
             if request.generator is not None:
                 uniform[row] = torch.rand(1, generator=request.generator)
-        sampled = _inverse_transform(rejection.without_drafts(probs, draft_tokens), uniform)
-        argmax = greedy_tokens(logits)
-        # Draws only when some row has a draft, so that steps without drafts sample as before.
         has_drafts = bool((draft_tokens != rejection.NO_DRAFT).any())
-        chance = torch.rand(len(rows)) if has_drafts else torch.ones(len(rows))
-        accepted = torch.where(
-            greedy, draft_tokens == argmax, chance < rejection.draft_probs(probs, draft_tokens)
+        drawn = sample_rows(
+            logits, temperature, top_k, top_p, min_p, uniform, draft_tokens, has_drafts
         )
+        if drawn is None:
+            probs = torch.softmax(logits / temperature[:, None], dim=-1)
+            if bool((min_p > 0).any()) or bool((top_k > 0).any()) or bool((top_p < 1).any()):
+                keep_thresholds(probs, top_k, top_p, min_p)
+            sampled = _inverse_transform(rejection.without_drafts(probs, draft_tokens), uniform)
+        else:
+            sampled, probs = drawn
+        argmax = greedy_tokens(logits)
+        if has_drafts:
+            assert probs is not None
+            chance = torch.rand(len(rows)) < rejection.draft_probs(probs, draft_tokens)
+            accepted = torch.where(greedy, draft_tokens == argmax, chance)
+        else:
+            accepted = torch.zeros(len(rows), dtype=torch.bool)
         return torch.where(greedy, argmax, sampled), accepted
 
     @staticmethod
@@ -189,16 +201,6 @@ class Sampler:
                 entry.update(zip(indices.tolist(), values.tolist(), strict=True))
             result.append(entry)
         return result
-
-
-def _filter_top_k_top_p_min_p(probs: torch.Tensor, params: list) -> torch.Tensor:
-    """Zero out tokens outside each row's top-k, top-p nucleus and min-p floor (in place)."""
-    top_k = torch.tensor([p.top_k for p in params])
-    top_p = torch.tensor([p.top_p for p in params])
-    min_p = torch.tensor([p.min_p for p in params])
-    if bool((min_p > 0).any()) or bool((top_k > 0).any()) or bool((top_p < 1).any()):
-        keep_thresholds(probs, top_k, top_p, min_p)
-    return probs
 
 
 def _inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -64,3 +64,20 @@ def test_grouped_bars_draws_a_png(tmp_path: Path) -> None:
     path = tmp_path / "bars.png"
     results.grouped_bars(rows, {"p50": "p50", "p95": "p95"}, list(rows), "s", "title", path)
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_module_at_a_revision_loads_beside_the_current_one() -> None:
+    """``module_at_revision`` (benchmarks' ``--against``): the committed sampler, loaded from git
+    under a name of its own, samples as the current one does."""
+    import torch
+
+    from llmpool.bench.revision import module_at_revision
+    from llmpool.engine import SamplingParams, sampler
+    from llmpool.engine.request import Request
+
+    committed = module_at_revision(Path(sampler.__file__), "HEAD")
+    assert committed.__name__ == "sampler_at_HEAD" and committed.Sampler is not sampler.Sampler
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    requests = [Request(str(i), [1], SamplingParams(temperature=0), frozenset()) for i in range(3)]
+    expected = logits.argmax(dim=-1).tolist()
+    assert committed.Sampler()(logits, requests).token_ids == [[t] for t in expected]

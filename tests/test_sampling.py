@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llmpool.engine import LLM, SamplingParams
+from llmpool.engine.kernels import sampling
 from llmpool.engine.request import Request
 from llmpool.engine.sampler import Sampler
 
@@ -214,9 +215,15 @@ def test_a_step_that_only_takes_argmaxes_samples_what_the_full_path_samples() ->
         ({"min_p": 0.3}, [0, 1, 2]),  # at least 0.3 x 0.4
     ],
 )
-def test_sampled_tokens_follow_the_kept_distribution(params: dict, kept: list[int]) -> None:
+@pytest.mark.parametrize("kernel", [True, False], ids=["sample_rows", "torch"])
+def test_sampled_tokens_follow_the_kept_distribution(
+    monkeypatch: pytest.MonkeyPatch, params: dict, kept: list[int], kernel: bool
+) -> None:
     """20,000 rows drawn at temperature 1: each kept token as often as its renormalized
-    probability (within ~6 standard deviations), the others never."""
+    probability (within ~6 standard deviations), the others never; by ``sampling.c`` and, as
+    without a compiler, by torch's ops."""
+    if not kernel:
+        monkeypatch.setattr(sampling.KERNEL, "library", lambda: None)
     torch.manual_seed(0)
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0])
     draws = 20000

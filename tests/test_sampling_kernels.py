@@ -127,3 +127,80 @@ def test_keep_thresholds_without_a_compiler_sort(monkeypatch: pytest.MonkeyPatch
     fallback = probs.clone()
     assert torch.equal(sampling.keep_thresholds(fallback, top_k, top_p, min_p), expected)
     assert torch.equal(fallback, kept)
+
+
+def use_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
+    flags = BUILDS[build]
+    if flags is None:
+        return
+    if not cpu_flags() >= NEEDS.get(build, frozenset()):
+        pytest.skip(f"this CPU cannot run the {build} build")
+    library = sampling.KERNEL.build(flags)
+    assert library is not None
+    monkeypatch.setattr(sampling.KERNEL, "library", lambda: library)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("width", [1, 7, 16, 300, 49157])
+def test_sample_rows_draws_from_the_kept_softmax(
+    monkeypatch: pytest.MonkeyPatch, build: str, width: int
+) -> None:
+    """The kernel's probabilities against torch's softmax (its exp is a polynomial: ~2e-7
+    relative), filtered as ``keep_thresholds`` filters them, and each token where the running
+    sum (in float64) passes the row's uniform times the kept total; -inf and the skipped token
+    never drawn, whatever the uniform."""
+    use_build(monkeypatch, build)
+    rows = 12
+    generator = torch.Generator().manual_seed(width)
+    logits = 4 * torch.randn(rows, width, generator=generator)
+    logits[1, : width // 2] = float("-inf")  # masked by a grammar, before the rest
+    temperature = torch.tensor([1.0, 0.7, 1.5, 0.3, 1.0, 2.0, 1.0, 0.9, 1.0, 1.0, 0.5, 1.0])
+    top_k = torch.tensor([0, 0, 5, 0, 1, 0, 40, 0, 0, 3, 0, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 0.5, 0.95, 1.0, 0.2, 1.0, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0])
+    uniform = torch.rand(rows, generator=generator)
+    uniform[[0, 1]] = 0.0  # the very first token with any probability
+    uniform[10] = 1.0 - 2.0**-24
+    skip = torch.full((rows,), -1)
+    skip[11] = int(logits[11].argmax())  # a draft: its replacement never is the draft
+    off = (torch.zeros(rows, dtype=torch.int64), torch.ones(rows), torch.zeros(rows))
+    drawn = sampling.sample_rows(logits, temperature, *off, uniform, skip, keep_probs=True)
+    assert drawn is not None and drawn[1] is not None
+    softmax = torch.softmax(logits / temperature[:, None], dim=-1)
+    torch.testing.assert_close(drawn[1], softmax, rtol=1e-5, atol=1e-9)
+    drawn = sampling.sample_rows(logits, temperature, top_k, top_p, min_p, uniform, skip, True)
+    assert drawn is not None and drawn[1] is not None
+    tokens, kept = drawn
+    unfiltered = sampling.sample_rows(logits, temperature, *off, uniform, skip, True)
+    assert unfiltered is not None and unfiltered[1] is not None
+    expected = unfiltered[1].clone()
+    sampling.keep_thresholds(expected, top_k, top_p, min_p)
+    assert torch.equal(kept, expected)
+    for row in range(rows):
+        token = int(tokens[row])
+        p = kept[row].double()
+        if skip[row] >= 0:
+            p[skip[row]] = 0.0
+        if not p.any():
+            continue  # all of it on the draft: accepted for sure, the replacement never used
+        cumulative = p.cumsum(0)
+        target = float(uniform[row]) * float(cumulative[-1])
+        assert p[token] > 0 and token != skip[row], row
+        assert float(cumulative[token]) >= target - 1e-6, row
+        assert token == 0 or float(cumulative[token - 1]) <= target + 1e-6, row
+    assert tokens[1] >= width // 2
+    assert torch.equal(
+        sampling.sample_rows(logits, temperature, top_k, top_p, min_p, uniform, skip, False)[0],
+        tokens,
+    )
+
+
+def test_sample_rows_leaves_to_torch_what_it_does_not_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    logits, settings = torch.randn(2, 10), [torch.ones(2), torch.zeros(2), torch.ones(2)]
+    rest = (torch.zeros(2), torch.rand(2), torch.full((2,), -1), False)
+    assert sampling.sample_rows(logits.bfloat16(), *settings, *rest) is None
+    assert sampling.sample_rows(logits.t().contiguous().t(), *settings, *rest) is None
+    monkeypatch.setattr(sampling.KERNEL, "library", lambda: None)
+    assert sampling.sample_rows(logits, *settings, *rest) is None

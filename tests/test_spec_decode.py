@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmpool.engine import LLM
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineStats
+from llmpool.engine.kernels import sampling
 from llmpool.engine.kv_cache_manager import KVCacheManager
 from llmpool.engine.outputs import RequestOutput
 from llmpool.engine.request import Request
@@ -127,10 +128,16 @@ def test_greedy_verification_accepts_up_to_the_first_mismatch() -> None:
     assert out.token_ids == [[2, 4, 1], [3, 0], [5]]
 
 
-def test_sampled_verification_follows_the_target_distribution() -> None:
+@pytest.mark.parametrize("kernel", [True, False], ids=["sample_rows", "torch"])
+def test_sampled_verification_follows_the_target_distribution(
+    monkeypatch: pytest.MonkeyPatch, kernel: bool
+) -> None:
     """Accept with p(x), else sample p without x: each token then follows p exactly. Rules that
     accept more (always) or resample from p with x (twice p(x)-ish) miss by far more than the
-    tolerance, which is ~6 standard deviations of 20000 draws."""
+    tolerance, which is ~6 standard deviations of 20000 draws. By ``sampling.c`` and, as without
+    a compiler, by torch's ops."""
+    if not kernel:
+        monkeypatch.setattr(sampling.KERNEL, "library", lambda: None)
     torch.manual_seed(0)
     first = torch.tensor([0.1, 0.5, 0.15, 0.25])
     second = torch.tensor([0.6, 0.1, 0.2, 0.1])

@@ -26,6 +26,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_vector.h"
@@ -38,11 +39,18 @@ static inline float bf16_value(uint16_t bits) {
 static inline float f32_value(float number) { return number; }
 
 #ifdef CPU_VECTORS
-/* Lane i of the mask is set where a[i] == b[i]. */
+/* vequal_mask: lane i of the mask is set where a[i] == b[i]. vzero_below: value where
+ * x >= floor, else 0. */
 #if W == 16
 static inline uint32_t vequal_mask(VEC a, VEC b) { return (uint32_t)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+static inline VEC vzero_below(VEC value, VEC x, float floor) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(floor), _CMP_GE_OQ), value);
+}
 #else
 static inline uint32_t vequal_mask(VEC a, VEC b) { return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+static inline VEC vzero_below(VEC value, VEC x, float floor) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, vset1(floor), _CMP_GE_OQ), value);
+}
 #endif
 #endif
 
@@ -143,27 +151,123 @@ static float largest_floor(const float *p, int64_t width, float goal, int mass) 
     return float_of_bits(low);
 }
 
+/* A row's threshold (see keep_thresholds), its tokens below it set to 0 in place. */
+static float keep_row(float *p, int64_t width, int64_t top_k, float top_p, float min_p) {
+    float threshold = 0.0f;
+    if (min_p > 0.0f) {
+        float part[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= width; i += LANES)
+            for (int l = 0; l < LANES; ++l) part[l] = p[i + l] > part[l] ? p[i + l] : part[l];
+        float top = 0.0f;
+        for (int l = 0; l < LANES; ++l) top = part[l] > top ? part[l] : top;
+        for (; i < width; ++i) top = p[i] > top ? p[i] : top;
+        threshold = min_p * top;
+    }
+    if (top_k > 0 && top_k < width) {
+        const float by_k = largest_floor(p, width, (float)top_k, 0);
+        threshold = by_k > threshold ? by_k : threshold;
+    }
+    if (top_p < 1.0f) {
+        const float nucleus = largest_floor(p, width, top_p, 1);
+        threshold = nucleus > threshold ? nucleus : threshold;
+    }
+    if (threshold > 0.0f)
+        for (int64_t i = 0; i < width; ++i) p[i] = p[i] >= threshold ? p[i] : 0.0f;
+    return threshold;
+}
+
 void keep_thresholds(float *probs, const int64_t *top_k, const float *top_p, const float *min_p,
                      float *out, int64_t rows, int64_t width) {
     _Pragma("omp parallel for schedule(dynamic, 1) if (rows > 1)")
-    for (int64_t row = 0; row < rows; ++row) {
-        float *p = probs + row * width;
-        float threshold = 0.0f;
-        if (min_p[row] > 0.0f) {
-            float top = 0.0f;
-            for (int64_t i = 0; i < width; ++i) top = p[i] > top ? p[i] : top;
-            threshold = min_p[row] * top;
+    for (int64_t row = 0; row < rows; ++row)
+        out[row] = keep_row(probs + row * width, width, top_k[row], top_p[row], min_p[row]);
+}
+
+/* softmax(logits / temperature) of one row into p; exp through exp_nonpositive (relative error
+ * ~2e-7), and exactly 0 below e^-87 of the largest (where it would clamp), so that a token a
+ * grammar masked with -inf stays impossible. */
+static void softmax_row(const float *logits, int64_t width, float temperature, float *p) {
+    float part[LANES];
+    for (int l = 0; l < LANES; ++l) part[l] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= width; i += LANES)
+        for (int l = 0; l < LANES; ++l) part[l] = logits[i + l] > part[l] ? logits[i + l] : part[l];
+    float top = -INFINITY;
+    for (int l = 0; l < LANES; ++l) top = part[l] > top ? part[l] : top;
+    for (; i < width; ++i) top = logits[i] > top ? logits[i] : top;
+    const float inverse = 1.0f / temperature;
+    i = 0;
+#ifdef CPU_VECTORS
+    for (; i + W <= width; i += W) {
+        const VEC x = vmul(vsub(vloadu(logits + i), vset1(top)), vset1(inverse));
+        vstoreu(p + i, vzero_below(vexp_nonpositive(x), x, -87.0f));
+    }
+#endif
+    for (; i < width; ++i) {
+        const float x = (logits[i] - top) * inverse;
+        p[i] = x < -87.0f ? 0.0f : exp_nonpositive(x);
+    }
+    const float scale = 1.0f / at_least(p, width, 0.0f, 1);
+    for (i = 0; i < width; ++i) p[i] *= scale;
+}
+
+/* The sum of p[start, end), in LANES partial sums (the same value wherever it is asked for). */
+#define BLOCK (LANES * 16)
+static inline float block_sum(const float *p, int64_t start, int64_t end) {
+    float part[LANES] = {0};
+    int64_t i = start;
+    for (; i + LANES <= end; i += LANES)
+        for (int l = 0; l < LANES; ++l) part[l] += p[i + l];
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; ++l) sum += part[l];
+    for (; i < end; ++i) sum += p[i];
+    return sum;
+}
+
+/* The token at which the cumulative sum of p (token `skip` counted as 0) first passes `uniform`
+ * times its total: blocks of BLOCK tokens first, then the block's tokens one by one (the last
+ * token with any probability up to there, should rounding leave the target unpassed). */
+static int64_t inverse_transform(float *p, int64_t width, int64_t skip, float uniform) {
+    const float skipped = skip >= 0 ? p[skip] : 0.0f;
+    if (skip >= 0) p[skip] = 0.0f;
+    float total = 0.0f;
+    for (int64_t start = 0; start < width; start += BLOCK)
+        total += block_sum(p, start, start + BLOCK < width ? start + BLOCK : width);
+    const float target = uniform * total;
+    float before = 0.0f;
+    int64_t token = -1;
+    for (int64_t start = 0; start < width && token < 0; start += BLOCK) {
+        const int64_t end = start + BLOCK < width ? start + BLOCK : width;
+        const float sum = block_sum(p, start, end);
+        if (before + sum > target || end == width) {
+            for (int64_t i = start; i < end && token < 0; ++i) {
+                before += p[i];
+                if (before > target) token = i; /* first passed where p[i] > 0 */
+            }
+        } else {
+            before += sum;
         }
-        if (top_k[row] > 0 && top_k[row] < width) {
-            const float by_k = largest_floor(p, width, (float)top_k[row], 0);
-            threshold = by_k > threshold ? by_k : threshold;
+    }
+    for (int64_t i = width - 1; token < 0 && i >= 0; --i)
+        if (p[i] > 0.0f) token = i; /* rounding left the target unpassed: the last possible one */
+    if (skip >= 0) p[skip] = skipped;
+    return token < 0 ? 0 : token; /* no probability anywhere: nothing to choose from */
+}
+
+void sample_rows(const float *logits, int64_t logit_stride, const float *temperature,
+                 const int64_t *top_k, const float *top_p, const float *min_p, const float *uniform,
+                 const int64_t *skip, float *probs, int64_t *tokens, int64_t rows, int64_t width) {
+    _Pragma("omp parallel if (rows > 1)")
+    {
+        float *own = probs ? NULL : malloc(sizeof(float) * (size_t)width);
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t row = 0; row < rows; ++row) {
+            float *p = probs ? probs + row * width : own;
+            softmax_row(logits + row * logit_stride, width, temperature[row], p);
+            keep_row(p, width, top_k[row], top_p[row], min_p[row]);
+            tokens[row] = inverse_transform(p, width, skip[row], uniform[row]);
         }
-        if (top_p[row] < 1.0f) {
-            const float nucleus = largest_floor(p, width, top_p[row], 1);
-            threshold = nucleus > threshold ? nucleus : threshold;
-        }
-        out[row] = threshold;
-        if (threshold > 0.0f)
-            for (int64_t i = 0; i < width; ++i) p[i] = p[i] >= threshold ? p[i] : 0.0f;
+        free(own);
     }
 }
