@@ -165,6 +165,7 @@ class Sampler:
             if request.generator is not None:
                 uniform[row] = torch.rand(1, generator=request.generator)
         has_drafts = bool((draft_tokens != rejection.NO_DRAFT).any())
+        probs: torch.Tensor | None
         drawn = sample_rows(
             logits, temperature, top_k, top_p, min_p, uniform, draft_tokens, has_drafts
         )

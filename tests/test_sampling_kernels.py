@@ -41,13 +41,7 @@ def awkward_rows(width: int, dtype: torch.dtype) -> torch.Tensor:
 def test_the_kernel_chooses_what_torch_argmax_chooses(
     monkeypatch: pytest.MonkeyPatch, build: str, dtype: torch.dtype, width: int
 ) -> None:
-    flags = BUILDS[build]
-    if flags is not None:
-        if not cpu_flags() >= NEEDS.get(build, frozenset()):
-            pytest.skip(f"this CPU cannot run the {build} build")
-        library = sampling.KERNEL.build(flags)
-        assert library is not None
-        monkeypatch.setattr(sampling.KERNEL, "library", lambda: library)
+    use_build(monkeypatch, build)
     assert sampling.KERNEL.available
     logits = awkward_rows(width, dtype)
     tokens = greedy_tokens(logits)
@@ -91,13 +85,7 @@ def test_keep_thresholds_are_the_sorted_rows_thresholds(
     """The kernel's bisection against the thresholds read off each row sorted: min-p times the
     largest, the k-th largest probability, and the one at which the largest first add up to
     top_p; the tokens below zeroed in place."""
-    flags = BUILDS[build]
-    if flags is not None:
-        if not cpu_flags() >= NEEDS.get(build, frozenset()):
-            pytest.skip(f"this CPU cannot run the {build} build")
-        library = sampling.KERNEL.build(flags)
-        assert library is not None
-        monkeypatch.setattr(sampling.KERNEL, "library", lambda: library)
+    use_build(monkeypatch, build)
     probs, top_k, top_p, min_p = nucleus_rows(width)
     kept = probs.clone()
     thresholds = sampling.keep_thresholds(kept, top_k, top_p, min_p)
