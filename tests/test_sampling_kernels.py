@@ -1,7 +1,12 @@
-"""``greedy.c``'s argmax against torch's, in every build: the first of equal maxima, a NaN above
-any number, infinities, and widths on both sides of a vector."""
+"""``sampling.c`` in every build this CPU runs: the argmax against torch's (the first of equal
+maxima, a NaN above any number, infinities, widths on both sides of a vector), the keep
+thresholds against a sort of each row, and ``sample_rows``' draw against torch's softmax."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -192,3 +197,28 @@ def test_sample_rows_leaves_to_torch_what_it_does_not_take(
     assert sampling.sample_rows(logits.t().contiguous().t(), *settings, *rest) is None
     monkeypatch.setattr(sampling.KERNEL, "library", lambda: None)
     assert sampling.sample_rows(logits, *settings, *rest) is None
+
+
+def test_sample_rows_without_memory_for_its_row_buffer_leaves_the_rows_to_torch() -> None:
+    """A thread that cannot allocate its row buffer (the address space capped just above what
+    the process holds, in a process of its own) draws nothing: None, for torch's ops, and no
+    crash."""
+    script = textwrap.dedent(
+        """
+        import resource
+        import torch
+        from llmpool.engine.kernels import sampling
+
+        width = 1 << 24  # a 64 MiB row buffer
+        ones, zeros = torch.ones(2), torch.zeros(2)
+        args = (torch.zeros(2, width), ones, zeros.long(), ones, zeros, torch.full((2,), 0.5))
+        rest = (torch.full((2,), -1), False)
+        assert sampling.sample_rows(*args, *rest) is not None  # built, its threads started
+        held = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (held + (16 << 20), resource.RLIM_INFINITY))
+        print(sampling.sample_rows(*args, *rest))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"

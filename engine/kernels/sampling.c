@@ -255,6 +255,7 @@ static int64_t inverse_transform(float *p, int64_t width, int64_t skip, float un
     return token < 0 ? 0 : token; /* no probability anywhere: nothing to choose from */
 }
 
+/* tokens[row] is -1 where the row's thread could not allocate its buffer (probs NULL). */
 void sample_rows(const float *logits, int64_t logit_stride, const float *temperature,
                  const int64_t *top_k, const float *top_p, const float *min_p, const float *uniform,
                  const int64_t *skip, float *probs, int64_t *tokens, int64_t rows, int64_t width) {
@@ -264,6 +265,10 @@ void sample_rows(const float *logits, int64_t logit_stride, const float *tempera
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t row = 0; row < rows; ++row) {
             float *p = probs ? probs + row * width : own;
+            if (!p) { /* no buffer: the row is left to the caller (sampling.py: torch's ops) */
+                tokens[row] = -1;
+                continue;
+            }
             softmax_row(logits + row * logit_stride, width, temperature[row], p);
             keep_row(p, width, top_k[row], top_p[row], min_p[row]);
             tokens[row] = inverse_transform(p, width, skip[row], uniform[row]);

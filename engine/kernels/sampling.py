@@ -116,7 +116,8 @@ def sample_rows(
     the first token at which the kept probabilities' running sum passes ``uniform`` (in [0, 1))
     times their total, token ``skip`` (-1: none) left out of the draw; and, where
     ``keep_probs``, the kept probabilities (not renormalized; ``skip``'s included). None where
-    the kernel does not run: no compiler, or logits that are not float32 rows on the CPU."""
+    the kernel does not run: no compiler, logits that are not float32 rows on the CPU, or no
+    memory for its row buffer."""
     rows, width = logits.shape
     if (
         not KERNEL.available
@@ -146,4 +147,6 @@ def sample_rows(
             rows,
             width,
         )
+        if bool((tokens < 0).any()):  # a thread's row buffer could not be allocated
+            return None
     return tokens, probs
