@@ -21,7 +21,9 @@ from llmpool.bench.serve import RequestResult, parse_args, summarize
 from llmpool.engine import huge_pages
 from llmpool.engine.model_source import resolve
 
-MACHINE = MachineRoof(dtype="bfloat16", gemm_gflops=100.0, read_gbytes_per_s=10.0)
+MACHINE = MachineRoof(
+    dtype="bfloat16", gemm_gflops=100.0, read_gbytes_per_s=10.0, gemm_dtype="bfloat16"
+)
 
 
 def builtin_shape() -> ModelShape:
@@ -107,7 +109,33 @@ def test_the_machine_is_measured_over_operands_in_huge_pages(
 def test_the_machine_rates_are_the_best_of_their_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """A roof is what the machine can do: a slow round (an AMX Xeon measured 292 GFLOP/s in one
     round and 969 in the next) does not lower it, for either rate."""
-    rounds = iter([(292.0, 29.0), (969.0, 28.0), (498.0, 29.5)])
-    monkeypatch.setattr(roof, "_measure_round", lambda shape, dtype, repeats: next(rounds))
+    rounds = iter(
+        [
+            ({"bfloat16": 292.0, "float32": 200.0}, 29.0),
+            ({"bfloat16": 969.0, "float32": 210.0}, 28.0),
+            ({"bfloat16": 498.0, "float32": 205.0}, 29.5),
+        ]
+    )
+    monkeypatch.setattr(roof, "_measure_round", lambda shape, dtypes, repeats: next(rounds))
     machine = measure_machine(builtin_shape(), "bfloat16", rounds=3)
-    assert machine == MachineRoof("bfloat16", gemm_gflops=969.0, read_gbytes_per_s=29.5)
+    assert machine == MachineRoof(
+        "bfloat16", gemm_gflops=969.0, read_gbytes_per_s=29.5, gemm_dtype="bfloat16"
+    )
+
+
+def test_float32_gemms_set_the_rate_where_they_run_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AMX the engine runs large bfloat16 batches in float32 where its probe finds that
+    faster (an AVX-512 BF16 Xeon: 1.45x), so the roof counts the faster rate and says which;
+    the bytes stay the served dtype's."""
+    asked = []
+
+    def measure_round(shape: ModelShape, dtypes: list[str], repeats: int) -> tuple[dict, float]:
+        asked.append(list(dtypes))
+        return {"bfloat16": 155.0, "float32": 225.0}, 29.0
+
+    monkeypatch.setattr(roof, "_measure_round", measure_round)
+    machine = measure_machine(builtin_shape(), "bfloat16", rounds=2)
+    assert asked == [["bfloat16", "float32"]] * 2
+    assert machine == MachineRoof("bfloat16", 225.0, 29.0, gemm_dtype="float32")
+    assert measure_machine(builtin_shape(), "float32", rounds=1).gemm_dtype == "float32"
+    assert asked[-1] == ["float32"]
