@@ -79,26 +79,44 @@ def test_compiled_quantized_float32_agrees_with_eager_in_one_graph(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("widened_speedup", [1.0, 2.0], ids=["own-way", "widened"])
 def test_compiled_bfloat16_gemm_choices_compile_nothing_after_start(
     monkeypatch: pytest.MonkeyPatch,
     save_small_checkpoint: Callable[[Any, Path], Path],
     tmp_path: Path,
+    widened_speedup: float,
 ) -> None:
     """Decodes and chunks of up to 128 rows take ``linear``'s C-kernel branch (an opaque op in
-    the graph) where the kernel is built, larger prefill chunks its upcast branch: size branches
-    that the start-up compile must have covered, and the same functions as eager. On a 2-layer
-    random Llama, as above."""
+    the graph: bf16_gemm's own way or its widened one, as the probe chooses) where the kernel is
+    built, larger prefill chunks its upcast branch: size branches that the start-up compile must
+    have covered, and the same functions as eager. On a 2-layer random Llama, as above."""
     model = save_small_checkpoint(small_config(LlamaConfig), tmp_path / "model")
     kernel = bfloat16_kernel(probe_kernels(torch.device("cpu")))
+    if kernel == "bf16_gemm" and widened_speedup > 1:
+        kernel = "bf16_gemm_widened"
+
+    def speedup(
+        weights: list[torch.Tensor], kernel: str, rows: int, against: str | None = None
+    ) -> float:
+        return 2.0 if against is None else widened_speedup
+
     monkeypatch.setattr(linear, "probe_bfloat16_upcast", lambda weight: 2.0)
-    monkeypatch.setattr(linear, "probe_bfloat16_kernel", lambda weights, kernel, rows: 2.0)
+    monkeypatch.setattr(linear, "probe_bfloat16_kernel", speedup)
     # ~450 tokens, so the prefill takes the upcast branch; not a repeated phrase, whose
     # continuations are near-ties that bfloat16 rounding (fused or not) flips
     prompts = [", ".join(str(number) for number in range(120)), "The capital of France is"]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     tokens = {}
     for compiled in (False, True):
-        llm = LLM(str(model), dtype="bfloat16", compile=compiled, max_num_batched_tokens=512)
+        llm = LLM(
+            str(model),
+            dtype="bfloat16",
+            compile=compiled,
+            max_num_batched_tokens=512,
+            # a cache of this test's own: the GEMM choice stored beside it would stand for the
+            # other parametrization's start (capabilities.stored_or_probed)
+            compile_cache_dir=str(tmp_path / "compile"),
+        )
         assert llm.engine.kernels.gemm == GemmChoice(
             linear.BFLOAT16_KERNEL_MAX_ROWS if kernel else None,
             linear.BFLOAT16_UPCAST_MIN_ROWS,

@@ -31,12 +31,17 @@ Caches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def with_c_gemm(
-    kernels: KernelCapabilities, dtype: torch.dtype, max_rows: int = 16
+    kernels: KernelCapabilities,
+    dtype: torch.dtype,
+    max_rows: int = 16,
+    bfloat16_kernel_name: str | None = None,
 ) -> KernelCapabilities:
-    """``kernels`` with decode rows of ``dtype`` in this CPU's C GEMM, whatever a probe says."""
+    """``kernels`` with decode rows of ``dtype`` in this CPU's C GEMM (bfloat16: the kernel
+    ``bfloat16_kernel_name``, by default the build's own way), whatever a probe says."""
     if dtype == torch.bfloat16:
         gemm = GemmChoice(
-            bfloat16_kernel_max_rows=max_rows, bfloat16_kernel=bfloat16_kernel(kernels)
+            bfloat16_kernel_max_rows=max_rows,
+            bfloat16_kernel=bfloat16_kernel_name or bfloat16_kernel(kernels),
         )
     else:
         gemm = GemmChoice(float32_kernel_max_rows=max_rows)
@@ -123,6 +128,17 @@ def test_a_decode_step_equals_the_layer_by_layer_forward(
     model = small_model(small_shape(head_dim, qkv_bias), dtype, kernels)
     # The new token alone, contexts at block edges and over many blocks.
     assert_a_step_equals_the_layer_by_layer_forward(model, dtype, [1, 16, 17, 40, 300])
+
+
+@needs_cpu()  # bf16_gemm: AVX-512
+def test_a_decode_step_through_the_widened_kernel_equals_the_layer_by_layer_forward() -> None:
+    """The widened way of bf16_gemm (the start-up probe's choice on Intel CPUs without AMX),
+    called from C by its own symbol."""
+    kernels = with_c_gemm(
+        probe_kernels(torch.device("cpu")), torch.bfloat16, bfloat16_kernel_name="bf16_gemm_widened"
+    )
+    model = small_model(small_shape(64, False), torch.bfloat16, kernels)
+    assert_a_step_equals_the_layer_by_layer_forward(model, torch.bfloat16, [1, 17, 40, 300])
 
 
 @needs_cpu("avx512_vnni", "avx512vbmi")  # vnni_gemm's int8 and int4 decodes

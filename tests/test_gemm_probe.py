@@ -234,11 +234,58 @@ def test_the_kernel_takes_the_rows_a_c_decoder_step_gains_on(
     16 requests runs 1.23x as fast in the C decoder (whose GEMMs are the kernel's)."""
     monkeypatch.setattr(linear, "streamed", lambda weight: [weight])
     monkeypatch.setattr(
-        linear, "probe_bfloat16_kernel", lambda weights, kernel, rows: speedups[rows]
+        linear, "probe_bfloat16_kernel", lambda weights, kernel, rows, against=None: speedups[rows]
     )
     rows, says = capabilities.bfloat16_kernel_rows(torch.zeros(4, 4), "bf16_gemm", in_c_decoder)
     assert rows == max_rows
     assert ("in one C call" in says) == in_c_decoder
+
+
+@pytest.mark.parametrize(
+    ("at_64", "at_1", "chosen"),
+    [
+        (1.38, 1.27, "bf16_gemm_widened"),  # an Intel Xeon with AVX-512 BF16 and no AMX
+        (1.38, 0.97, "bf16_gemm_widened"),  # a single request no slower, within the noise
+        (0.5, 0.9, "bf16_gemm"),  # a Zen 4 EPYC: vdpbf16ps at twice the FMAs' flop rate
+        (1.38, 0.8, "bf16_gemm"),  # a single request's decode would lose
+        (1.05, 1.3, "bf16_gemm"),  # too close a lead where the rows are compute-bound
+    ],
+)
+def test_the_widened_way_is_chosen_where_it_wins_at_64_rows_and_loses_nothing_at_one(
+    monkeypatch: pytest.MonkeyPatch, at_64: float, at_1: float, chosen: str
+) -> None:
+    probed: list[tuple[str, int, str | None]] = []
+
+    def probe(
+        weights: list[torch.Tensor], kernel: str, rows: int, against: str | None = None
+    ) -> float:
+        probed.append((kernel, rows, against))
+        return {64: at_64, 1: at_1}[rows]
+
+    monkeypatch.setattr(linear, "streamed", lambda weight: [weight])
+    monkeypatch.setattr(linear, "probe_bfloat16_kernel", probe)
+    names = capabilities.bfloat16_kernels(KernelCapabilities(bf16_gemm=True))
+    kernel, says = capabilities.choose_bfloat16_kernel(torch.zeros(4, 4), names)
+    assert kernel == chosen
+    assert probed == [("bf16_gemm_widened", 64, "bf16_gemm"), ("bf16_gemm_widened", 1, "bf16_gemm")]
+    assert says == [
+        f"bf16_gemm_widened runs 64 rows {at_64:.2f}x and 1 row {at_1:.2f}x as fast as"
+        f" bf16_gemm, so {chosen} runs them"
+    ]
+
+
+def test_only_the_avx512_kernel_has_a_widened_way_to_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear, "probe_bfloat16_kernel", pytest.fail)
+    names = capabilities.bfloat16_kernels(KernelCapabilities(avx2_gemm=True))
+    assert names == ("avx2_gemm",)
+    assert capabilities.choose_bfloat16_kernel(torch.zeros(4, 4), names) == ("avx2_gemm", [])
+    assert capabilities.bfloat16_kernels(KernelCapabilities()) == ()
+
+
+def test_a_stored_widened_choice_runs_only_where_bf16_gemm_is_built() -> None:
+    widened = GemmChoice(bfloat16_kernel_max_rows=128, bfloat16_kernel="bf16_gemm_widened")
+    assert capabilities.runs_here(widened, KernelCapabilities(bf16_gemm=True))
+    assert not capabilities.runs_here(widened, KernelCapabilities(avx2_gemm=True))
 
 
 def test_the_probe_knows_whether_decode_steps_run_in_c() -> None:

@@ -73,23 +73,33 @@ def test_bfloat16_from_the_threshold_runs_in_float32_and_is_no_less_exact(rows: 
     assert upcast_error <= native_error * 1.05, (upcast_error, native_error)
 
 
+# Each build the kernel has here, by each of its symbols that runs other code: every build's own
+# way (bf16_linear), and the widened way in tiles at every row count (bf16_linear_widened), which
+# is the same code in every build.
+KERNEL_WAYS = [
+    ("this CPU's", "bf16_linear"),
+    ("this CPU's", "bf16_linear_widened"),
+    *((build, "bf16_linear") for build in bf16_gemm.NARROWER_BUILDS),
+]
+
+
 @needs_kernel
-@pytest.mark.parametrize("build", ["this CPU's", *bf16_gemm.NARROWER_BUILDS])
+@pytest.mark.parametrize(("build", "symbol"), KERNEL_WAYS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 64, 256])
 @pytest.mark.parametrize(
     ("inputs", "outputs"), [(576, 320), (1536, 40), (1536, 7), (100, 4), (31, 5)]
 )
 def test_the_kernel_is_the_float32_product_rounded_to_bfloat16(
-    build: str, rows: int, inputs: int, outputs: int
+    build: str, symbol: str, rows: int, inputs: int, outputs: int
 ) -> None:
-    """Every tile shape: the few-row paths (1-2 rows widening, 1-4 with vdpbf16ps) and 4-row
-    tiles with remainders, outputs past a multiple of 4, inputs of whole 32-element chunks, a
-    tail, and a tail alone; on AMX, tiles of 16 x rows in groups of up to 4 with a part-filled
-    last tile, and outputs past whole 16-row blocks; in every build this CPU runs (a narrower
-    build that is this CPU's own is tested again)."""
+    """Every tile shape: the few-row paths (1-2 rows widening, 1-4 with vdpbf16ps), 4-row tiles
+    with remainders and tiles of 1-3 rows (the widened way's few rows), outputs past a multiple
+    of 4, inputs of whole 32-element chunks, a tail, and a tail alone; on AMX, tiles of 16 x rows
+    in groups of up to 4 with a part-filled last tile, and outputs past whole 16-row blocks; in
+    every build this CPU runs (a narrower build that is this CPU's own is tested again)."""
     x, weight, _ = operands(rows, torch.bfloat16, inputs, outputs)
     library = None if build == "this CPU's" else bf16_gemm.narrower_build(build)
-    out = bf16_gemm.bf16_linear(x, weight, library)
+    out = bf16_gemm.bf16_linear(x, weight, library, symbol)
     assert out.dtype == torch.bfloat16
     assert out.shape == (rows, outputs)
     product = nn.functional.linear(x.float(), weight.float())
@@ -123,6 +133,15 @@ def test_with_the_kernel_bfloat16_runs_in_it_up_to_its_rows_then_in_float32() ->
     x, weight, bias = operands(129, torch.bfloat16)
     expected = nn.functional.linear(x.float(), weight.float(), bias.float())
     assert torch.equal(linear.linear(x, weight, bias, gemm), expected.to(torch.bfloat16))
+
+
+@needs_kernel
+def test_linear_runs_the_widened_kernel_where_it_was_chosen() -> None:
+    gemm = GemmChoice(bfloat16_kernel_max_rows=128, bfloat16_kernel="bf16_gemm_widened")
+    for rows in (1, 16, 128):
+        x, weight, bias = operands(rows, torch.bfloat16)
+        expected = bf16_gemm.bf16_linear_widened(x, weight) + bias
+        assert torch.equal(linear.linear(x, weight, bias, gemm), expected)
 
 
 def test_without_upcast_every_size_runs_in_bfloat16() -> None:
@@ -170,9 +189,15 @@ def test_a_bfloat16_engine_runs_the_gemms_its_probes_choose(
     """The kernel's probe climbs the row counts on streamed weights until the kernel stops
     winning by 1.1x; the upcast's probe runs once; the layers hold what they chose."""
     probed: list[tuple[str, torch.Size, int | None]] = []
+    widened_probed: list[tuple[str, str, int]] = []
 
-    def kernel_probe(weights: list[torch.Tensor], kernel: str, rows: int) -> float:
+    def kernel_probe(
+        weights: list[torch.Tensor], kernel: str, rows: int, against: str | None = None
+    ) -> float:
         assert sum(w.numel() * w.element_size() for w in weights) >= linear.PROBE_STREAM_BYTES
+        if against is not None:  # the widened way against the build's own: no faster
+            widened_probed.append((kernel, against, rows))
+            return 1.0
         probed.append((kernel, weights[0].shape, rows))
         return kernel_speedups[rows]
 
@@ -195,6 +220,8 @@ def test_a_bfloat16_engine_runs_the_gemms_its_probes_choose(
     shape = core.model.layers[0].gate_up_proj.weight.shape
     climbed = [(kernel, shape, rows) for rows in kernel_speedups] if kernel else []
     assert probed == [*climbed, ("upcast", shape, None)]
+    widened_probes = [("bf16_gemm_widened", "bf16_gemm", rows) for rows in (64, 1)]
+    assert widened_probed == (widened_probes if kernel == "bf16_gemm" else [])
     expected_kernel_rows = kernel_rows if kernel else None
     assert core.kernels.gemm == GemmChoice(expected_kernel_rows, upcast_rows, kernel or "bf16_gemm")
     assert core.kernels.gemm.as_observed() == {  # what /fingerprint reports

@@ -11,8 +11,16 @@
  * - otherwise the weight is widened in registers: a bfloat16 is the high half of a float32, so one
  *   64-byte load of 32 weights gives the even-indexed ones by a 16-bit left shift and the odd-
  *   indexed ones by masking the low half, and x is split once per call into float32 rows of its
- *   even and odd elements, multiplied with FMAs. (On Intel CPUs without AMX vdpbf16ps issues at
- *   half the rate of an FMA, so this is as fast there.)
+ *   even and odd elements, multiplied with FMAs.
+ *
+ * Every AVX-512 build also exports the widened way on its own, in tiles at every row count
+ * (bf16_linear_widened), for the CPUs where it is the faster: on a 2-core Intel Xeon with AVX-512
+ * BF16 and no AMX, vdpbf16ps issues once every two cycles against an FMA's twice a cycle (a
+ * one-off loop of independent ones: 85 against 174 GFLOP/s a core), so its dot product has half
+ * the FMAs' flop rate, and a step's GEMMs ran 1.24x as fast widened at 16 rows, 1.38x at 64 and
+ * 1.42x at 128; at 1 to 4 rows the tiles' four prefetched streams read the weight faster than the
+ * few-row paths' single one there (1.27x, 1.43x, 1.62x and 1.63x: 26.5 GB/s at 1 row, of 28.3 a
+ * plain read reaches). The start-up probe chooses between the two (capabilities.py).
  *
  * Products of bfloat16 values are exact in float32, so both differ from a float32 GEMM of the same
  * operands only in summation order (and vdpbf16ps flushes denormals, below 1.2e-38, to zero).
@@ -82,7 +90,7 @@ static inline __m128i to_bf16(__m128 value) {
     const type *x2 = xs + (row + (rows > 2 ? 2 : 0)) * stride, *x3 = xs + (row + (rows > 3 ? 3 : 0)) * stride;
 
 #ifdef __AVX512BF16__
-#define FEW_ROWS 4 /* x rows up to which dp_few_rows() streams each weight row on its own */
+#define DP_FEW_ROWS 4 /* x rows up to which dp_few_rows() streams each weight row on its own */
 
 /* Weight row j's next 32 values, prefetching the same bytes of the row COLS rows on. */
 #define DP_LOAD_WEIGHT(j)                                                                      \
@@ -108,17 +116,17 @@ static void dp_tile(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t r
     STORE(0) STORE(1) STORE(2) STORE(3)
 }
 
-/* Up to FEW_ROWS rows of x, all of it, the weight rows read one after the other: a single stream
+/* Up to DP_FEW_ROWS rows of x, all of it, the weight rows read one after the other: a single stream
  * that the hardware prefetcher follows (on the Zen 4 EPYC, a one-off script timing both ways on
  * a step's GEMMs: 11-14 ms at 2 to 4 rows this way, 14-17 in dp_tile's four streams; from 6 rows
  * the tiles were the faster). `rows` is a constant where dp_few_rows_of() inlines this. */
 static inline __attribute__((always_inline)) void dp_few_rows(const uint16_t *x, const uint16_t *w, uint16_t *y,
                                                               const int rows, int64_t col, int64_t cols,
                                                               int64_t N, int64_t K) {
-    __m512 acc[FEW_ROWS][COLS];
+    __m512 acc[DP_FEW_ROWS][COLS];
     for (int64_t j = 0; j < COLS; ++j) {
         const uint16_t *row = w + (col + (j < cols ? j : 0)) * K; /* past N: the first row again */
-        __m512 sum[FEW_ROWS];
+        __m512 sum[DP_FEW_ROWS];
         for (int i = 0; i < rows; ++i) sum[i] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) {
             const __mmask32 mask = k + 32 <= K ? ~(__mmask32)0 : (__mmask32)((1ull << (K - k)) - 1);
@@ -150,7 +158,7 @@ static void dp_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < items; ++item) {
         const int64_t col = item * COLS, cols = N - col < COLS ? N - col : COLS;
-        if (M <= FEW_ROWS) {
+        if (M <= DP_FEW_ROWS) {
             dp_few_rows_of(x, w, y, M, col, cols, N, K);
             continue;
         }
@@ -158,8 +166,9 @@ static void dp_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t
             dp_tile(x, w, y, row, M - row < ROWS ? M - row : ROWS, col, cols, N, K);
     }
 }
-#else
-#define FEW_ROWS 2 /* x rows up to which few_rows() streams each weight row on its own */
+#endif
+
+#define WIDENED_FEW_ROWS 2 /* x rows up to which bf16_linear's widened path streams each weight row on its own */
 
 /* Weight row j's next 32 values as float32 (even and odd elements), prefetching the same bytes of
  * the row COLS rows on, which the next work item reads. */
@@ -182,19 +191,31 @@ static void dp_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t
         acc##i##3 = _mm512_fmadd_ps(odd3, x_odd, acc##i##3);                                   \
     }
 /* Up to ROWS rows of x (split into even and odd halves, padded_k floats a row) against up to
- * COLS weight rows from col. */
-static void tile(const float *xs, const uint16_t *w, uint16_t *y, int64_t row, int64_t rows, int64_t col,
-                 int64_t cols, int64_t N, int64_t K, int64_t padded_k) {
+ * COLS weight rows from col. `rows` is a constant where tile_of() inlines this, so that a tile of
+ * fewer than ROWS rows multiplies only those. */
+static inline __attribute__((always_inline)) void tile(const float *xs, const uint16_t *w, uint16_t *y, int64_t row,
+                                                       const int rows, int64_t col, int64_t cols, int64_t N,
+                                                       int64_t K, int64_t padded_k) {
     const int64_t half = padded_k / 2;
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     TILE_ROWS(float, xs, padded_k)
     ZERO(0) ZERO(1) ZERO(2) ZERO(3)
     OVER_K(LOAD_WEIGHT(0) LOAD_WEIGHT(1) LOAD_WEIGHT(2) LOAD_WEIGHT(3)
-           ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2) ACCUMULATE(3))
+           ACCUMULATE(0) if (rows > 1) ACCUMULATE(1) if (rows > 2) ACCUMULATE(2) if (rows > 3) ACCUMULATE(3))
     STORE(0) STORE(1) STORE(2) STORE(3)
 }
 
-/* Up to FEW_ROWS rows of x, all of it: a decode step of one or two sequences, bound by reading the
+static void tile_of(const float *xs, const uint16_t *w, uint16_t *y, int64_t row, int64_t rows, int64_t col,
+                    int64_t cols, int64_t N, int64_t K, int64_t padded_k) {
+    switch (rows) {
+    case 1: tile(xs, w, y, row, 1, col, cols, N, K, padded_k); break;
+    case 2: tile(xs, w, y, row, 2, col, cols, N, K, padded_k); break;
+    case 3: tile(xs, w, y, row, 3, col, cols, N, K, padded_k); break;
+    default: tile(xs, w, y, row, ROWS, col, cols, N, K, padded_k); break;
+    }
+}
+
+/* Up to WIDENED_FEW_ROWS rows of x, all of it: a decode step of one or two sequences, bound by reading the
  * weight. The weight rows are read one after the other, a single sequential stream that the
  * hardware prefetcher follows; interleaved as in tile(), they were four short streams (18 cache
  * lines each for SmolLM2): a step's GEMMs on a 2-core Zen 4 EPYC read 18-21 GB/s that way, 22-33
@@ -205,10 +226,10 @@ static inline __attribute__((always_inline)) void few_rows(const float *xs, cons
                                                            int64_t K, int64_t padded_k) {
     const int64_t half = padded_k / 2;
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 acc[FEW_ROWS][COLS];
+    __m512 acc[WIDENED_FEW_ROWS][COLS];
     for (int64_t j = 0; j < COLS; ++j) {
         const uint16_t *row = w + (col + (j < cols ? j : 0)) * K; /* past N: the first row again */
-        __m512 even[FEW_ROWS], odd[FEW_ROWS];
+        __m512 even[WIDENED_FEW_ROWS], odd[WIDENED_FEW_ROWS];
         for (int i = 0; i < rows; ++i) even[i] = odd[i] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) {
             const __mmask32 mask = k + 32 <= K ? ~(__mmask32)0 : (__mmask32)((1ull << (K - k)) - 1);
@@ -236,8 +257,10 @@ static void few_rows_of(const float *xs, const uint16_t *w, uint16_t *y, int64_t
         few_rows(xs, w, y, 2, col, cols, N, K, padded_k);
 }
 
-/* bf16_linear() with the weight widened to float32. */
-static void widened_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+/* bf16_linear() with the weight widened to float32; up to `few_rows` rows of x, each weight row
+ * streams on its own (few_rows()), more run in tiles. */
+static void widened_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                           int64_t few) {
     const int64_t padded_k = (K + 31) / 32 * 32;
     float *xs = aligned_alloc(64, (size_t)(M * padded_k) * sizeof(float));
     if (xs == NULL) abort();
@@ -258,17 +281,16 @@ static void widened_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, in
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; ++item) {
             const int64_t col = item * COLS, cols = N - col < COLS ? N - col : COLS;
-            if (M <= FEW_ROWS) {
+            if (M <= few) {
                 few_rows_of(xs, w, y, M, col, cols, N, K, padded_k);
                 continue;
             }
             for (int64_t row = 0; row < M; row += ROWS)
-                tile(xs, w, y, row, M - row < ROWS ? M - row : ROWS, col, cols, N, K, padded_k);
+                tile_of(xs, w, y, row, M - row < ROWS ? M - row : ROWS, col, cols, N, K, padded_k);
         }
     }
     free(xs);
 }
-#endif
 
 #ifdef __AMX_BF16__
 /* AMX tiles: tdpbf16ps multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one into 16 x 16 float32
@@ -380,6 +402,14 @@ void bf16_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, i
 #ifdef __AVX512BF16__
     dp_linear(x, w, y, M, N, K);
 #else
-    widened_linear(x, w, y, M, N, K);
+    widened_linear(x, w, y, M, N, K, WIDENED_FEW_ROWS);
 #endif
+}
+
+/* bf16_linear() with the weight widened to float32 and multiplied with FMAs in tiles at every row
+ * count, whatever else this build could do: the faster way where vdpbf16ps runs at half an FMA's
+ * flop rate and a few rows read the weight faster in the tiles' four prefetched streams than in
+ * one (capabilities.choose_bfloat16_kernel probes which). */
+void bf16_linear_widened(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+    widened_linear(x, w, y, M, N, K, 0);
 }

@@ -23,10 +23,13 @@ from llmpool.engine.kernels.c_loader import (
     with_avx512_bf16,
 )
 
+# bf16_linear: the fastest way this CPU's build has; bf16_linear_widened: the weight widened to
+# float32 in tiles at every row count, which the start-up probe may choose instead.
+SYMBOLS = ("bf16_linear", "bf16_linear_widened")
 # AVX-512 CPUs only; with AVX-512 BF16's dot product and AMX's tiles where the CPU has them.
 KERNEL = CKernel(
     "bf16_gemm.c",
-    {"bf16_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3},
+    {name: [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 for name in SYMBOLS},
     lambda: with_amx(with_avx512_bf16(avx512_only())),
 )
 
@@ -46,10 +49,13 @@ def narrower_build(name: str) -> ctypes.CDLL | None:
 
 
 def bf16_linear(
-    x: torch.Tensor, weight: torch.Tensor, library: ctypes.CDLL | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    library: ctypes.CDLL | None = None,
+    symbol: str = "bf16_linear",
 ) -> torch.Tensor:
-    """``x @ weight.T`` for 2-D bfloat16 CPU tensors; ``library``: another build of the kernel
-    than this CPU's (``narrower_build``)."""
+    """``x @ weight.T`` for 2-D bfloat16 CPU tensors, by ``symbol`` (one of ``SYMBOLS``);
+    ``library``: another build of the kernel than this CPU's (``narrower_build``)."""
     library = library or KERNEL.built()
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         raise ValueError(f"bf16_linear multiplies bfloat16, not {x.dtype} by {weight.dtype}")
@@ -60,19 +66,27 @@ def bf16_linear(
     out = x.new_empty(x.shape[0], weight.shape[0])
     if out.numel():
         rows, (outputs, inputs) = x.shape[0], weight.shape
-        library.bf16_linear(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, outputs, inputs)
+        multiply = getattr(library, symbol)
+        multiply(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, outputs, inputs)
     return out
+
+
+def bf16_linear_widened(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`bf16_linear` with the weight widened to float32, in tiles at every row count."""
+    return bf16_linear(x, weight, symbol="bf16_linear_widened")
 
 
 # Low-level Library API, as for ``llmpool::attention`` (a few us a call, not ~15).
 _library_fragment = torch.library.Library("llmpool", "FRAGMENT")
-_library_fragment.define("bf16_linear(Tensor x, Tensor weight) -> Tensor")
-_library_fragment.impl("bf16_linear", bf16_linear, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("llmpool::bf16_linear")
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
+for _name, _function in (
+    ("bf16_linear", bf16_linear),
+    ("bf16_linear_widened", bf16_linear_widened),
+):
+    _library_fragment.define(f"{_name}(Tensor x, Tensor weight) -> Tensor")
+    _library_fragment.impl(_name, _function, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"llmpool::{_name}")(
+        lambda x, weight: x.new_empty(x.shape[0], weight.shape[0])
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -81,3 +95,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.llmpool.bf16_linear(x, weight)
     return bf16_linear(x, weight)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`linear` by :func:`bf16_linear_widened`."""
+    if torch.compiler.is_compiling():
+        return torch.ops.llmpool.bf16_linear_widened(x, weight)
+    return bf16_linear_widened(x, weight)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -145,11 +145,11 @@ def probe_kernels(
     if not on_cpu or weight_shape is None:
         return kernels
     if dtype == torch.bfloat16:
-        kernel = bfloat16_kernel(kernels)
+        names = bfloat16_kernels(kernels)
 
         def choose() -> Choice:
             weight = torch.randn(weight_shape, dtype=torch.bfloat16)
-            return choose_bfloat16_gemm(weight, kernel, decodes_in_c(kernels))
+            return choose_bfloat16_gemm(weight, names, decodes_in_c(kernels))
     elif dtype == torch.float32 and kernels.avx2_gemm:
 
         def choose() -> Choice:
@@ -203,10 +203,9 @@ def stored_here(store: GemmStore, kernels: KernelCapabilities) -> GemmDecision |
 
 def runs_here(gemm: GemmChoice, kernels: KernelCapabilities) -> bool:
     """Whether every C kernel ``gemm`` chooses is built here."""
-    kernel = bfloat16_kernel(kernels)
-    return (gemm.bfloat16_kernel_max_rows is None or gemm.bfloat16_kernel == kernel) and (
-        gemm.float32_kernel_max_rows is None or kernels.avx2_gemm
-    )
+    return (
+        gemm.bfloat16_kernel_max_rows is None or gemm.bfloat16_kernel in bfloat16_kernels(kernels)
+    ) and (gemm.float32_kernel_max_rows is None or kernels.avx2_gemm)
 
 
 def undisturbed(
@@ -263,12 +262,17 @@ def describe(probe: GemmProbe) -> str:
     return f"{probe.attempts} time{'s' * (probe.attempts > 1)}, the chosen run with {share}"
 
 
-def bfloat16_kernel(kernels: KernelCapabilities) -> str | None:
-    """The few-row bfloat16 C kernel built here (a key of ``linear.BFLOAT16_KERNELS``): the
-    AVX-512 one, else the AVX2 one; None where neither is."""
+def bfloat16_kernels(kernels: KernelCapabilities) -> tuple[str, ...]:
+    """The few-row bfloat16 C kernels built here (keys of ``linear.BFLOAT16_KERNELS``), the
+    build's own way first: the AVX-512 one and its widened way, else the AVX2 one."""
     if kernels.bf16_gemm:
-        return "bf16_gemm"
-    return "avx2_gemm" if kernels.avx2_gemm else None
+        return ("bf16_gemm", "bf16_gemm_widened")
+    return ("avx2_gemm",) if kernels.avx2_gemm else ()
+
+
+def bfloat16_kernel(kernels: KernelCapabilities) -> str | None:
+    """The few-row bfloat16 C kernel built here in its build's own way; None where none is."""
+    return next(iter(bfloat16_kernels(kernels)), None)
 
 
 def choose_float32_gemm(weight: torch.Tensor) -> Choice:
@@ -291,10 +295,10 @@ def decodes_in_c(kernels: KernelCapabilities) -> bool:
 
 
 def choose_bfloat16_gemm(
-    weight: torch.Tensor, kernel_name: str | None, in_c_decoder: bool = False
+    weight: torch.Tensor, kernel_names: Sequence[str], in_c_decoder: bool = False
 ) -> Choice:
-    """This CPU's faster bfloat16 GEMMs: a C kernel (``kernel_name``, None where none is built)
-    for decode rows, float32 for prefill rows.
+    """This CPU's faster bfloat16 GEMMs: a C kernel (one of ``kernel_names``, those built here:
+    :func:`bfloat16_kernels`) for decode rows, float32 for prefill rows.
 
     Measured on ``weight``, so that the choice follows the CPU (this project's Intel Xeon
     without AMX: the AVX-512 kernel ~1.7x as fast at 16 rows, float32 1.3-1.6x at prefill sizes;
@@ -304,9 +308,11 @@ def choose_bfloat16_gemm(
     there up to 16 rows, as its decode steps run in the C decoder, though oneDNN's GEMM alone is
     the faster from 16).
     """
-    if kernel_name is not None:
+    kernel_name = None
+    if kernel_names:
+        kernel_name, chosen_says = choose_bfloat16_kernel(weight, kernel_names)
         kernel_max_rows, kernel_says = bfloat16_kernel_rows(weight, kernel_name, in_c_decoder)
-        says = [kernel_says]
+        says = [*chosen_says, kernel_says]
     else:
         kernel_max_rows, says = None, ["no C kernel (it needs AVX2 or AVX-512, and a C compiler)"]
     upcast_speedup = linear.probe_bfloat16_upcast(weight)
@@ -322,6 +328,34 @@ def choose_bfloat16_gemm(
         bfloat16_kernel=kernel_name or "bf16_gemm",
     )
     return choice, f"bfloat16 GEMMs on this CPU: {'; '.join(says)}"
+
+
+def choose_bfloat16_kernel(
+    weight: torch.Tensor, kernel_names: Sequence[str]
+) -> tuple[str, list[str]]:
+    """Which of the C kernels ``kernel_names`` (the build's own way first, then at most its
+    widened way) multiplies this CPU's bfloat16 GEMMs, and what the probe measured: the widened
+    way where, on streamed copies of ``weight``, it runs ``BFLOAT16_WIDENED_PROBE_ROWS`` rows
+    ``BFLOAT16_KERNEL_MIN_SPEEDUP`` as fast and one row ``BFLOAT16_WIDENED_MIN_ONE_ROW`` as fast
+    (an Intel Xeon with AVX-512 BF16 and no AMX: 1.38x and 1.27x; a Zen 4 EPYC and an AMX Xeon,
+    whose dot product and tiles double the FMAs' rate, keep their own way)."""
+    own, *others = kernel_names
+    if not others:
+        return own, []
+    (widened,) = others
+    weights = linear.streamed(weight)
+    rows = linear.BFLOAT16_WIDENED_PROBE_ROWS
+    at_rows = linear.probe_bfloat16_kernel(weights, widened, rows, against=own)
+    at_one = linear.probe_bfloat16_kernel(weights, widened, 1, against=own)
+    faster = (
+        at_rows >= linear.BFLOAT16_KERNEL_MIN_SPEEDUP
+        and at_one >= linear.BFLOAT16_WIDENED_MIN_ONE_ROW
+    )
+    chosen = widened if faster else own
+    return chosen, [
+        f"{widened} runs {rows} rows {at_rows:.2f}x and 1 row {at_one:.2f}x as fast as {own},"
+        f" so {chosen} runs them"
+    ]
 
 
 def bfloat16_kernel_rows(

@@ -88,6 +88,14 @@ class Projections:
     max_rows: int
 
 
+# ``linear.BFLOAT16_KERNELS``' kernels as C functions: the library and its symbol.
+BFLOAT16_SYMBOLS: dict[str, tuple[CKernel, str]] = {
+    "bf16_gemm": (bf16_gemm.KERNEL, "bf16_linear"),
+    "bf16_gemm_widened": (bf16_gemm.KERNEL, "bf16_linear_widened"),
+    "avx2_gemm": (avx2_gemm.KERNEL, "bf16_linear"),
+}
+
+
 def projections(
     modules: list[nn.Module], dtype: torch.dtype, kernels: KernelCapabilities
 ) -> Projections | None:
@@ -99,8 +107,8 @@ def projections(
     gemm = kernels.gemm
     if all(type(m) is Linear and m.weight.dtype == dtype for m in modules):
         if dtype == torch.bfloat16 and gemm.bfloat16_kernel_max_rows is not None:
-            kernel = bf16_gemm.KERNEL if gemm.bfloat16_kernel == "bf16_gemm" else avx2_gemm.KERNEL
-            address = _address(kernel.built(), "bf16_linear")
+            kernel, symbol = BFLOAT16_SYMBOLS[gemm.bfloat16_kernel]
+            address = _address(kernel.built(), symbol)
             return Projections(DENSE, address, gemm.bfloat16_kernel_max_rows)
         if dtype == torch.float32 and gemm.float32_kernel_max_rows is not None:
             address = _address(avx2_gemm.KERNEL.built(), "f32_linear")

@@ -6,8 +6,8 @@ Four choices, each exact up to summation order:
   outruns torch (``probe_float32_kernel``, once per engine: :class:`GemmChoice`).
 - float32, few rows otherwise: ``W·xᵀ`` instead of ``x·Wᵀ`` (``CPU_TRANSPOSED_MAX_ROWS``).
 - bfloat16, up to ``BFLOAT16_KERNEL_MAX_ROWS`` rows: a C kernel that reads the bfloat16 weight and
-  multiplies in float32 (``bf16_gemm`` on AVX-512, ``avx2_gemm`` on AVX2), on CPUs where it
-  outruns oneDNN (``probe_bfloat16_kernel``).
+  multiplies in float32 (``bf16_gemm`` on AVX-512, or its widened way where that is the faster;
+  ``avx2_gemm`` on AVX2), on CPUs where it outruns oneDNN (``probe_bfloat16_kernel``).
 - bfloat16, more rows: the GEMM in float32 on the upcast operands, on CPUs whose float32 GEMM
   outruns their bfloat16 one (``probe_bfloat16_upcast``). A product of two bfloat16 values is
   exact in float32 and oneDNN's bfloat16 GEMM accumulates in float32 too, so only the
@@ -69,12 +69,20 @@ BFLOAT16_DECODER_MIN_SPEEDUP = 0.6
 # weight that stays in cache answers another question: on that EPYC it put the AVX-512 kernel at
 # 0.84x of oneDNN at 16 rows, while a step's GEMMs, whose weights stream, ran 1.18x as fast in it.
 PROBE_STREAM_BYTES = 64 * 1024**2
-# The few-row bfloat16 kernels by name (``GemmChoice.bfloat16_kernel``): the AVX-512 one, and the
-# AVX2 one for CPUs without AVX-512.
+# The few-row bfloat16 kernels by name (``GemmChoice.bfloat16_kernel``): the AVX-512 one, its
+# widened way (the weight widened to float32 in tiles at every row count), and the AVX2 one for
+# CPUs without AVX-512.
 BFLOAT16_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "bf16_gemm": bf16_gemm.linear,
+    "bf16_gemm_widened": bf16_gemm.widened_linear,
     "avx2_gemm": avx2_gemm.bf16_op,
 }
+# The widened way replaces the AVX-512 kernel's own where it multiplies this many rows (compute-
+# bound) BFLOAT16_KERNEL_MIN_SPEEDUP as fast, and one row (bound by reading the weight: a single
+# request's decode) at least BFLOAT16_WIDENED_MIN_ONE_ROW as fast. A 2-core Intel Xeon with AVX-512
+# BF16 and no AMX, whose vdpbf16ps has half its FMAs' flop rate: 1.38x at 64 rows, 1.27x at 1.
+BFLOAT16_WIDENED_PROBE_ROWS = 64
+BFLOAT16_WIDENED_MIN_ONE_ROW = 0.95
 
 # Up to this many rows ``avx2_gemm``'s float32 kernel runs a step's GEMMs faster than torch where
 # it is chosen (a 2-core AVX2 EPYC, a step's GEMMs of SmolLM2: 2.2x at 1 row, 1.5x at 4, 1.35x
@@ -158,15 +166,20 @@ def probe_bfloat16_upcast(
 
 
 def probe_bfloat16_kernel(
-    weights: list[torch.Tensor], kernel: str, rows: int, repeats: int = 5
+    weights: list[torch.Tensor],
+    kernel: str,
+    rows: int,
+    repeats: int = 5,
+    against: str | None = None,
 ) -> float:
     """How many times faster the C kernel ``kernel`` (a key of ``BFLOAT16_KERNELS``) multiplies
     ``rows`` rows by each of the bfloat16 ``weights`` (:func:`streamed`) than torch does on this
-    CPU."""
+    CPU, or than the kernel ``against``."""
     x = torch.randn(rows, weights[0].shape[1], dtype=torch.bfloat16)
     run = BFLOAT16_KERNELS[kernel]
+    native = nn.functional.linear if against is None else BFLOAT16_KERNELS[against]
     return _speedup(
-        lambda: [nn.functional.linear(x, w) for w in weights],
+        lambda: [native(x, w) for w in weights],
         lambda: [run(x, w) for w in weights],
         repeats,
     )

@@ -4,8 +4,9 @@ Two measurements, each alternating between the ways in one process:
 
 - a decode step's GEMMs alone (every layer's four projections and the LM head of the built-in
   model, 269 MB of bfloat16 weights, so they stream from memory as in a step) at ``--rows``
-  rows: torch's bfloat16 GEMM (oneDNN), the C kernel as built for this CPU, the float32 GEMM on
-  upcast operands (what ``linear`` runs for prefill chunks past the kernel's rows) and the
+  rows: torch's bfloat16 GEMM (oneDNN), the C kernel as built for this CPU, its widened way
+  (``bf16_linear_widened``: the weight widened to float32 in tiles at every row count, which the
+  start-up probe may choose instead), the float32 GEMM on upcast operands (what ``linear`` runs for prefill chunks past the kernel's rows) and the
   kernel's narrower builds this CPU's build passes over (``widening``: the float32 path of CPUs
   without AVX-512 BF16; ``dot product``: the AVX-512 BF16 path of CPUs without AMX); with the
   weight bandwidth and GFLOP/s of each and the largest difference from the float32 product;
@@ -47,6 +48,7 @@ Way = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 WAYS: dict[str, Way] = {
     "torch": torch.nn.functional.linear,
     "kernel": bf16_gemm.bf16_linear,
+    "widened": bf16_gemm.bf16_linear_widened,
     "upcast": upcast,
 }
 
@@ -114,7 +116,8 @@ def main() -> None:
     llm = build_in_ended_thread(lambda: LLM(dtype="bfloat16", enable_prefix_caching=False))
     weights = [w.detach() for w in gemm_weights(llm.engine.model)]
     probed = llm.engine.kernels.gemm.bfloat16_kernel_max_rows
-    print(f"the start-up probe runs GEMMs of up to {probed} rows in the kernel", flush=True)
+    kernel = llm.engine.kernels.gemm.bfloat16_kernel
+    print(f"the start-up probe runs GEMMs of up to {probed} rows in {kernel}", flush=True)
     ways = with_narrower_builds(WAYS)
     if args.against is not None:
         library = kernel_at_revision(bf16_gemm.KERNEL, args.against)
@@ -127,6 +130,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "step_gemms": gemms,
         "probed_kernel_max_rows": probed,
+        "probed_kernel": kernel,
         "step_bfloat16_eager": alternate_steps(
             llm,
             args.concurrency,
