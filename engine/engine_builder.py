@@ -34,6 +34,7 @@ from llmpool.engine.kv_cache import (
 )
 from llmpool.engine.kv_cache_manager import KVCacheManager
 from llmpool.engine.lora.manager import LoraManager
+from llmpool.engine.models.linear import BFLOAT16_KERNELS
 from llmpool.engine.models.llama import LlamaForCausalLM, LlamaShape
 from llmpool.engine.models.loader import SUPPORTED_MODEL_TYPES, load_weights
 from llmpool.engine.models.quantization import quantize
@@ -145,6 +146,10 @@ def gemm_store(
         **environment_fields(),
         "dtype": str(dtype).removeprefix("torch."),
         "weightShape": "x".join(map(str, gemm_shape)),
+        # What the probes choose among: a kernel way added since (the widened bf16_gemm, with
+        # the llmpool version unchanged) is another key, so a stored choice made without it is
+        # probed over instead of standing.
+        "bfloat16Kernels": ",".join(BFLOAT16_KERNELS),
     }
     return GemmStore(root, fields)
 

@@ -234,6 +234,8 @@ def test_only_a_compiling_engine_with_a_cache_keeps_a_store(tmp_path: Path) -> N
     assert store is not None and store.path.is_relative_to(tmp_path / gemm_store.FOLDER)
     assert (store.fields["dtype"], store.fields["weightShape"]) == ("bfloat16", "3072x576")
     assert "cpuFlags" in store.fields and "compiler" in store.fields
+    # the kernels a choice is made among: a store written before the widened way stands no more
+    assert store.fields["bfloat16Kernels"] == "bf16_gemm,bf16_gemm_widened,avx2_gemm"
     assert (
         engine_gemm_store(EngineConfig(compile_cache_dir=str(tmp_path)), torch.bfloat16, (3, 5))
         is None

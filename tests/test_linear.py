@@ -220,7 +220,7 @@ def test_a_bfloat16_engine_runs_the_gemms_its_probes_choose(
     shape = core.model.layers[0].gate_up_proj.weight.shape
     climbed = [(kernel, shape, rows) for rows in kernel_speedups] if kernel else []
     assert probed == [*climbed, ("upcast", shape, None)]
-    widened_probes = [("bf16_gemm_widened", "bf16_gemm", rows) for rows in (64, 1)]
+    widened_probes = [("bf16_gemm_widened", "bf16_gemm", rows) for rows in (32, 1)]
     assert widened_probed == (widened_probes if kernel == "bf16_gemm" else [])
     expected_kernel_rows = kernel_rows if kernel else None
     assert core.kernels.gemm == GemmChoice(expected_kernel_rows, upcast_rows, kernel or "bf16_gemm")

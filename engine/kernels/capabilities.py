@@ -49,7 +49,10 @@ PROBE_NEIGHBOUR_SHARE_MAX = 0.25
 # reported by /fingerprint. A start waits this long only beside busy neighbours, while a wrong
 # choice costs every step for the engine's life (2.6x a token, in the case ``cpu_share`` tells).
 PROBE_PATIENCE_S = 15.0
-# A random pause, so that replicas starting together stop probing in step.
+# A random pause, so that replicas starting together stop probing in step: this many times the
+# disturbed run's own duration (at least a second's), so that a longer probe (bfloat16's, ~1.5 s
+# on a 2-core Xeon since it also weighs the widened kernel) keeps its neighbours' runs as far
+# apart as a short one (three engines probing at once settled no more with fixed 0.5-2 s pauses).
 PROBE_PAUSE_S = (0.5, 2.0)
 
 Choice = tuple[GemmChoice, str]  # a GEMM choice and what its probes measured, in words
@@ -219,7 +222,9 @@ def undisturbed(
     deadline = time.monotonic() + PROBE_PATIENCE_S
     runs: list[tuple[float, Choice]] = []
     while True:
+        started = time.monotonic()
         answer, share = cpu_share.neighbour_share(probe)
+        ran = time.monotonic() - started
         if share is None or share <= PROBE_NEIGHBOUR_SHARE_MAX:
             return answer, GemmProbe(len(runs) + 1, share)
         runs.append((share, answer))
@@ -236,7 +241,7 @@ def undisturbed(
             "GEMM probe %d: other processes used %.0f%% of the CPUs while it ran; probing again",
             len(runs), 100 * share,
         )  # fmt: skip
-        time.sleep(random.uniform(*PROBE_PAUSE_S))
+        time.sleep(random.uniform(*PROBE_PAUSE_S) * max(ran, 1.0))
     answer, probe_run = least_disturbed(runs)
     logger.warning(
         "the GEMM probes shared the CPUs with other processes for %.0f s (%s): the choice below"
@@ -337,7 +342,7 @@ def choose_bfloat16_kernel(
     widened way) multiplies this CPU's bfloat16 GEMMs, and what the probe measured: the widened
     way where, on streamed copies of ``weight``, it runs ``BFLOAT16_WIDENED_PROBE_ROWS`` rows
     ``BFLOAT16_KERNEL_MIN_SPEEDUP`` as fast and one row ``BFLOAT16_WIDENED_MIN_ONE_ROW`` as fast
-    (an Intel Xeon with AVX-512 BF16 and no AMX: 1.38x and 1.27x; a Zen 4 EPYC and an AMX Xeon,
+    (an Intel Xeon with AVX-512 BF16 and no AMX: 1.31x and 1.27x; a Zen 4 EPYC and an AMX Xeon,
     whose dot product and tiles double the FMAs' rate, keep their own way)."""
     own, *others = kernel_names
     if not others:

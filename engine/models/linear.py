@@ -80,8 +80,9 @@ BFLOAT16_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # The widened way replaces the AVX-512 kernel's own where it multiplies this many rows (compute-
 # bound) BFLOAT16_KERNEL_MIN_SPEEDUP as fast, and one row (bound by reading the weight: a single
 # request's decode) at least BFLOAT16_WIDENED_MIN_ONE_ROW as fast. A 2-core Intel Xeon with AVX-512
-# BF16 and no AMX, whose vdpbf16ps has half its FMAs' flop rate: 1.38x at 64 rows, 1.27x at 1.
-BFLOAT16_WIDENED_PROBE_ROWS = 64
+# BF16 and no AMX, whose vdpbf16ps has half its FMAs' flop rate: 1.31x at 32 rows (1.38x at 64),
+# 1.27x at 1. 32 rows, not more: the probe runs beside the others at every start (0.14 s here).
+BFLOAT16_WIDENED_PROBE_ROWS = 32
 BFLOAT16_WIDENED_MIN_ONE_ROW = 0.95
 
 # Up to this many rows ``avx2_gemm``'s float32 kernel runs a step's GEMMs faster than torch where
