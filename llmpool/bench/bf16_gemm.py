@@ -6,7 +6,8 @@ Two measurements, each alternating between the ways in one process:
   model, 269 MB of bfloat16 weights, so they stream from memory as in a step) at ``--rows``
   rows: torch's bfloat16 GEMM (oneDNN), the C kernel as built for this CPU, its widened way
   (``bf16_linear_widened``: the weight widened to float32 in tiles at every row count, which the
-  start-up probe may choose instead), the float32 GEMM on upcast operands (what ``linear`` runs for prefill chunks past the kernel's rows) and the
+  start-up probe may choose instead), the float32 GEMM on upcast operands (what ``linear``
+  runs for prefill chunks past the kernel's rows) and the
   kernel's narrower builds this CPU's build passes over (``widening``: the float32 path of CPUs
   without AVX-512 BF16; ``dot product``: the AVX-512 BF16 path of CPUs without AMX); with the
   weight bandwidth and GFLOP/s of each and the largest difference from the float32 product;
