@@ -244,11 +244,10 @@ def test_the_kernel_takes_the_rows_a_c_decoder_step_gains_on(
 ) -> None:
     """An Intel Xeon with AMX: oneDNN's GEMM outruns the kernel at 16 rows, yet a decode step of
     16 requests runs 1.23x as fast in the C decoder (whose GEMMs are the kernel's)."""
-    monkeypatch.setattr(linear, "streamed", lambda weight: [weight])
     monkeypatch.setattr(
         linear, "probe_bfloat16_kernel", lambda weights, kernel, rows, against=None: speedups[rows]
     )
-    rows, says = capabilities.bfloat16_kernel_rows(torch.zeros(4, 4), "bf16_gemm", in_c_decoder)
+    rows, says = capabilities.bfloat16_kernel_rows([torch.zeros(4, 4)], "bf16_gemm", in_c_decoder)
     assert rows == max_rows
     assert ("in one C call" in says) == in_c_decoder
 
@@ -274,10 +273,9 @@ def test_the_widened_way_is_chosen_where_it_wins_at_32_rows_and_loses_nothing_at
         probed.append((kernel, rows, against))
         return {32: at_32, 1: at_1}[rows]
 
-    monkeypatch.setattr(linear, "streamed", lambda weight: [weight])
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", probe)
     names = capabilities.bfloat16_kernels(KernelCapabilities(bf16_gemm=True))
-    kernel, says = capabilities.choose_bfloat16_kernel(torch.zeros(4, 4), names)
+    kernel, says = capabilities.choose_bfloat16_kernel([torch.zeros(4, 4)], names)
     assert kernel == chosen
     assert probed == [("bf16_gemm_widened", 32, "bf16_gemm"), ("bf16_gemm_widened", 1, "bf16_gemm")]
     assert says == [
@@ -290,7 +288,7 @@ def test_only_the_avx512_kernel_has_a_widened_way_to_probe(monkeypatch: pytest.M
     monkeypatch.setattr(linear, "probe_bfloat16_kernel", pytest.fail)
     names = capabilities.bfloat16_kernels(KernelCapabilities(avx2_gemm=True))
     assert names == ("avx2_gemm",)
-    assert capabilities.choose_bfloat16_kernel(torch.zeros(4, 4), names) == ("avx2_gemm", [])
+    assert capabilities.choose_bfloat16_kernel([torch.zeros(4, 4)], names) == ("avx2_gemm", [])
     assert capabilities.bfloat16_kernels(KernelCapabilities()) == ()
 
 

@@ -187,14 +187,18 @@ def test_a_bfloat16_engine_runs_the_gemms_its_probes_choose(
     upcast_rows: int | None,
 ) -> None:
     """The kernel's probe climbs the row counts on streamed weights until the kernel stops
-    winning by 1.1x; the upcast's probe runs once; the layers hold what they chose."""
+    winning by 1.1x; the upcast's probe runs once; the layers hold what they chose. The kernel
+    probes share one set of streamed copies (64 MiB, made once a start)."""
     probed: list[tuple[str, torch.Size, int | None]] = []
     widened_probed: list[tuple[str, str, int]] = []
+    streamed_lists: list[list[torch.Tensor]] = []  # kept alive, so that none is new by chance
 
     def kernel_probe(
         weights: list[torch.Tensor], kernel: str, rows: int, against: str | None = None
     ) -> float:
         assert sum(w.numel() * w.element_size() for w in weights) >= linear.PROBE_STREAM_BYTES
+        if not any(weights is seen for seen in streamed_lists):
+            streamed_lists.append(weights)
         if against is not None:  # the widened way against the build's own: no faster
             widened_probed.append((kernel, against, rows))
             return 1.0
@@ -222,6 +226,7 @@ def test_a_bfloat16_engine_runs_the_gemms_its_probes_choose(
     assert probed == [*climbed, ("upcast", shape, None)]
     widened_probes = [("bf16_gemm_widened", "bf16_gemm", rows) for rows in (32, 1)]
     assert widened_probed == (widened_probes if kernel == "bf16_gemm" else [])
+    assert len(streamed_lists) == (1 if kernel else 0)
     expected_kernel_rows = kernel_rows if kernel else None
     assert core.kernels.gemm == GemmChoice(expected_kernel_rows, upcast_rows, kernel or "bf16_gemm")
     assert core.kernels.gemm.as_observed() == {  # what /fingerprint reports

@@ -315,8 +315,9 @@ def choose_bfloat16_gemm(
     """
     kernel_name = None
     if kernel_names:
-        kernel_name, chosen_says = choose_bfloat16_kernel(weight, kernel_names)
-        kernel_max_rows, kernel_says = bfloat16_kernel_rows(weight, kernel_name, in_c_decoder)
+        weights = linear.streamed(weight)  # 64 MiB of copies, made once for both probes
+        kernel_name, chosen_says = choose_bfloat16_kernel(weights, kernel_names)
+        kernel_max_rows, kernel_says = bfloat16_kernel_rows(weights, kernel_name, in_c_decoder)
         says = [*chosen_says, kernel_says]
     else:
         kernel_max_rows, says = None, ["no C kernel (it needs AVX2 or AVX-512, and a C compiler)"]
@@ -336,11 +337,11 @@ def choose_bfloat16_gemm(
 
 
 def choose_bfloat16_kernel(
-    weight: torch.Tensor, kernel_names: Sequence[str]
+    weights: list[torch.Tensor], kernel_names: Sequence[str]
 ) -> tuple[str, list[str]]:
     """Which of the C kernels ``kernel_names`` (the build's own way first, then at most its
     widened way) multiplies this CPU's bfloat16 GEMMs, and what the probe measured: the widened
-    way where, on streamed copies of ``weight``, it runs ``BFLOAT16_WIDENED_PROBE_ROWS`` rows
+    way where, on ``weights`` (a weight's streamed copies: :func:`linear.streamed`), it runs ``BFLOAT16_WIDENED_PROBE_ROWS`` rows
     ``BFLOAT16_KERNEL_MIN_SPEEDUP`` as fast and one row ``BFLOAT16_WIDENED_MIN_ONE_ROW`` as fast
     (an Intel Xeon with AVX-512 BF16 and no AMX: 1.31x and 1.27x; a Zen 4 EPYC and an AMX Xeon,
     whose dot product and tiles double the FMAs' rate, keep their own way)."""
@@ -348,7 +349,6 @@ def choose_bfloat16_kernel(
     if not others:
         return own, []
     (widened,) = others
-    weights = linear.streamed(weight)
     rows = linear.BFLOAT16_WIDENED_PROBE_ROWS
     at_rows = linear.probe_bfloat16_kernel(weights, widened, rows, against=own)
     at_one = linear.probe_bfloat16_kernel(weights, widened, 1, against=own)
@@ -364,14 +364,13 @@ def choose_bfloat16_kernel(
 
 
 def bfloat16_kernel_rows(
-    weight: torch.Tensor, kernel_name: str, in_c_decoder: bool = False
+    weights: list[torch.Tensor], kernel_name: str, in_c_decoder: bool = False
 ) -> tuple[int | None, str]:
     """Up to how many rows the C kernel ``kernel_name`` runs bfloat16 GEMMs (None: never), and
-    what the probe measured: it climbs ``BFLOAT16_KERNEL_PROBE_ROWS`` on streamed copies of
-    ``weight`` until the kernel no longer wins by ``BFLOAT16_KERNEL_MIN_SPEEDUP``; where decode
+    what the probe measured: it climbs ``BFLOAT16_KERNEL_PROBE_ROWS`` on ``weights`` (streamed
+    copies) until the kernel no longer wins by ``BFLOAT16_KERNEL_MIN_SPEEDUP``; where decode
     steps run in the C decoder (``in_c_decoder``), up to ``BFLOAT16_DECODER_ROWS`` rows it need
     only keep ``BFLOAT16_DECODER_MIN_SPEEDUP`` of torch's rate."""
-    weights = linear.streamed(weight)
     max_rows, measured = None, []
     for rows in linear.BFLOAT16_KERNEL_PROBE_ROWS:
         speedup = linear.probe_bfloat16_kernel(weights, kernel_name, rows)
