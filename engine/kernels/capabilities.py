@@ -341,10 +341,11 @@ def choose_bfloat16_kernel(
 ) -> tuple[str, list[str]]:
     """Which of the C kernels ``kernel_names`` (the build's own way first, then at most its
     widened way) multiplies this CPU's bfloat16 GEMMs, and what the probe measured: the widened
-    way where, on ``weights`` (a weight's streamed copies: :func:`linear.streamed`), it runs ``BFLOAT16_WIDENED_PROBE_ROWS`` rows
-    ``BFLOAT16_KERNEL_MIN_SPEEDUP`` as fast and one row ``BFLOAT16_WIDENED_MIN_ONE_ROW`` as fast
-    (an Intel Xeon with AVX-512 BF16 and no AMX: 1.31x and 1.27x; a Zen 4 EPYC and an AMX Xeon,
-    whose dot product and tiles double the FMAs' rate, keep their own way)."""
+    way where, on ``weights`` (a weight's streamed copies: :func:`linear.streamed`), it runs
+    ``BFLOAT16_WIDENED_PROBE_ROWS`` rows ``BFLOAT16_KERNEL_MIN_SPEEDUP`` as fast and one row
+    ``BFLOAT16_WIDENED_MIN_ONE_ROW`` as fast (an Intel Xeon with AVX-512 BF16 and no AMX: 1.31x
+    and 1.27x; a Zen 4 EPYC and an AMX Xeon, whose dot product and tiles double the FMAs' rate,
+    keep their own way)."""
     own, *others = kernel_names
     if not others:
         return own, []
