@@ -30,8 +30,13 @@ echo "e2e: binaries ready after $(( $(date +%s) - started ))s"
 # The pods run the project's image: build it (only the changed layers; the session fixture
 # loads it into the node unless the node has that very image), and run it under docker as the
 # chart's pods run it.
-bash "$root/scripts/build-image.sh"
+# scripts/test.sh builds it in a stage of its own and says so (LLMPOOL_IMAGE_BUILT=1): once a run.
+if [[ "${LLMPOOL_IMAGE_BUILT:-}" != 1 ]]; then
+  bash "$root/scripts/build-image.sh"
+fi
 echo "e2e: image ready after $(( $(date +%s) - started ))s"
-"$python" -m pytest tests/image -m image
-"$python" -m pytest e2e -m e2e "$@"
+# Under scripts/test.sh each pytest run's JUnit XML goes beside its stage times.
+junit() { if [[ -n "${LLMPOOL_TEST_TIMES:-}" ]]; then echo "--junitxml=$LLMPOOL_TEST_TIMES/$1.xml"; fi; }
+"$python" -m pytest tests/image -m image $(junit image)
+"$python" -m pytest e2e -m e2e $(junit e2e) "$@"
 echo "e2e: stage took $(( $(date +%s) - started ))s"

@@ -125,34 +125,71 @@ def save_small_checkpoint(builtin_folder: Path) -> Callable[[Any, Path], Path]:
     into a folder that ``LLM(str(folder))`` loads."""
 
     def save(config: Any, folder: Path) -> Path:
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            shutil.copy(builtin_folder / name, folder / name)
-        return folder
+        return write_checkpoint(config, folder, builtin_folder)
 
     return save
 
 
-@pytest.fixture(scope="session")
-def hf_greedy_reference(builtin_folder: Path) -> dict[tuple[int, ...], list[int]]:
-    """HF ``generate()`` greedy continuations of every reference prompt, one prompt at a time.
+def write_checkpoint(config: Any, folder: Path, builtin_folder: Path) -> Path:
+    """A model of ``config`` initialised from seed 0, with the built-in model's tokenizer and
+    chat template, saved into ``folder``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(builtin_folder / name, folder / name)
+    return folder
+
+
+def greedy_reference(folder: Path) -> dict[tuple[int, ...], list[int]]:
+    """HF ``generate()`` greedy continuations of every reference prompt by the checkpoint in
+    ``folder``, one prompt at a time.
 
     Exactly ``REFERENCE_NEW_TOKENS`` tokens each: EOS is suppressed until then, which is what
     ``SamplingParams(min_tokens=...)`` does too.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(builtin_folder)
-    model = AutoModelForCausalLM.from_pretrained(builtin_folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     reference = {}
     with torch.inference_mode():
         for prompt in PROMPTS:
             ids = tuple(tokenizer.encode(prompt))
             reference[ids] = greedy_continuation(model, tokenizer, prompt, REFERENCE_NEW_TOKENS)
     return reference
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_reference(builtin_folder: Path) -> dict[tuple[int, ...], list[int]]:
+    """The built-in model's HF greedy continuations of every reference prompt."""
+    return greedy_reference(builtin_folder)
+
+
+# The built-in model cut to 2 of its 30 layers, random weights: every shape of the real one (its
+# heads, grouped-query ratio, MLP, vocabulary and tied embeddings) at a fifteenth of its compute.
+# What tests of the engine's machinery run (compiling, switching to a compiled decoder) where
+# parity with the real model is not what they check; the HF-parity tests keep the real model.
+TINY_LAYERS = 2
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(builtin_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(builtin_folder)
+    config.num_hidden_layers = TINY_LAYERS
+    # Peaked logits, so that no near-tie lets argmax flip between the engine and HF (as in
+    # SMALL_MODEL).
+    config.initializer_range = 0.1
+    return write_checkpoint(config, tmp_path_factory.mktemp("tiny-smollm2"), builtin_folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_greedy_reference(tiny_folder: Path) -> dict[tuple[int, ...], list[int]]:
+    """The tiny model's HF greedy continuations of every reference prompt."""
+    return greedy_reference(tiny_folder)
 
 
 def greedy_continuation(model: Any, tokenizer: Any, prompt: str, tokens: int) -> list[int]:

@@ -1,12 +1,18 @@
 """Compiling beside serving (engine/background_compile.py): the engine answers eager while the
 decoder compiles, with transformers' tokens before, during and after the switch; nothing compiles
-after it; a compile that fails leaves the engine serving eager and says so."""
+after it; a compile that fails leaves the engine serving eager and says so.
+
+The engines run the tiny model (tests/conftest.py: the built-in model's shapes, 2 layers): what
+is checked is the switch from eager to compiled, against transformers' tokens of the same
+checkpoint, and inductor compiles 2 layers in a fraction of 30's time (the real model's compiled
+parity is test_engine_vs_hf.py's "compiled" case)."""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,9 +23,8 @@ from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.server.fingerprint import live_fields
 
-# As test_engine_vs_hf.py's "compiled" case, so that inductor's local cache serves both; a
-# 256 MiB KV pool (room for every reference prompt at once) instead of the CPU default of 2 GiB,
-# which kept the pytest process's memory high enough for CI's run to meet the OOM killer.
+# A 256 MiB KV pool (room for every reference prompt at once) instead of the CPU default of
+# 2 GiB, which kept the pytest process's memory high enough for CI's run to meet the OOM killer.
 SETTINGS = {
     "dtype": "float32",
     "max_model_len": 2048,
@@ -57,7 +62,8 @@ def compile_state(core: EngineCore) -> str:
 @pytest.mark.slow
 def test_the_engine_serves_eager_while_compiling_then_switches_with_the_same_tokens(
     monkeypatch: pytest.MonkeyPatch,
-    hf_greedy_reference: dict[tuple[int, ...], list[int]],
+    tiny_folder: Path,
+    tiny_greedy_reference: dict[tuple[int, ...], list[int]],
     reference_new_tokens: int,
 ) -> None:
     """The compile is held until the first step has run, so that the steps provably begin
@@ -70,10 +76,10 @@ def test_the_engine_serves_eager_while_compiling_then_switches_with_the_same_tok
         return compile_all_sizes(*args)
 
     monkeypatch.setattr(compilation, "compile_all_sizes", held)
-    core = EngineCore(EngineConfig(**SETTINGS, max_num_batched_tokens=256))
+    core = EngineCore(EngineConfig(**SETTINGS, model=str(tiny_folder), max_num_batched_tokens=256))
     eager = core.model.decoder
-    prompts = [list(ids) for ids in hf_greedy_reference]
-    expected = [hf_greedy_reference[tuple(prompt)] for prompt in prompts]
+    prompts = [list(ids) for ids in tiny_greedy_reference]
+    expected = [tiny_greedy_reference[tuple(prompt)] for prompt in prompts]
     states: list[str] = []
 
     def on_step() -> None:
@@ -94,22 +100,23 @@ def test_the_engine_serves_eager_while_compiling_then_switches_with_the_same_tok
 @pytest.mark.slow
 def test_a_failed_compile_is_reported_and_leaves_the_engine_serving_eager(
     monkeypatch: pytest.MonkeyPatch,
-    hf_greedy_reference: dict[tuple[int, ...], list[int]],
+    tiny_folder: Path,
+    tiny_greedy_reference: dict[tuple[int, ...], list[int]],
     reference_new_tokens: int,
 ) -> None:
     def fail(*args: Any) -> Any:
         raise RuntimeError("inductor could not build a kernel")
 
     monkeypatch.setattr(compilation, "compile_all_sizes", fail)
-    core = EngineCore(EngineConfig(**SETTINGS))
+    core = EngineCore(EngineConfig(**SETTINGS, model=str(tiny_folder)))
     eager = core.model.decoder
     with pytest.raises(RuntimeError, match="could not build a kernel"):
         core.wait_for_compile(timeout=60)
     assert compile_state(core) == "failed"
     assert "could not build a kernel" in core.compile_report.as_dict()["error"]
     assert core.model.decoder == eager
-    prompts = sorted(map(list, hf_greedy_reference), key=len)[:3]
-    expected = [hf_greedy_reference[tuple(prompt)] for prompt in prompts]
+    prompts = sorted(map(list, tiny_greedy_reference), key=len)[:3]
+    expected = [tiny_greedy_reference[tuple(prompt)] for prompt in prompts]
     assert generate(core, prompts, reference_new_tokens) == expected
 
 

@@ -163,12 +163,16 @@ def test_invalid_specs_are_rejected(
 
 
 # --------------------------------------------------------------------- without engines
+# These tests check the operator's objects, not serving: their pools' pods wait Pending for a
+# node label no node has, so that no engine starts (loads the model, probes its GEMMs) on the
+# node's 2 cores beside the tests that do serve, only to be deleted with the namespace.
+NO_NODE = {"nodeSelector": {"llmpool.dev/e2e-no-such-node": "true"}}
 
 
 def test_children_are_owned_and_deleted_with_the_pool(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
-    cluster.apply(*example(), namespace=namespace)
+    cluster.apply(*example(**NO_NODE), namespace=namespace)
     pool = cluster.get("llmpool", POOL, "-n", namespace)
     uid = pool["metadata"]["uid"]
     children = [
@@ -216,7 +220,7 @@ def test_children_are_owned_and_deleted_with_the_pool(
 def test_scale_does_not_roll_and_a_pinned_change_does(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
-    cluster.apply(*example(), namespace=namespace)
+    cluster.apply(*example(**NO_NODE), namespace=namespace)
     first = wait_digest(cluster, namespace)
 
     cluster.kubectl("scale", "llmpool", POOL, "-n", namespace, "--replicas=3")
@@ -250,7 +254,7 @@ def test_scale_does_not_roll_and_a_pinned_change_does(
 def test_a_deleted_deployment_is_restored(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
-    cluster.apply(*example(), namespace=namespace)
+    cluster.apply(*example(**NO_NODE), namespace=namespace)
     digest = wait_digest(cluster, namespace)
     wait_for(
         "the Deployment",
@@ -301,7 +305,7 @@ def child_uid(cluster: ClusterHandle, namespace: str, kind: str, name: str) -> s
 def test_a_deleted_service_or_configmap_is_restored(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str, kind: str, name: str
 ) -> None:
-    cluster.apply(*example(), namespace=namespace)
+    cluster.apply(*example(**NO_NODE), namespace=namespace)
     old_uid = wait_for(f"the {kind}", lambda: child_uid(cluster, namespace, kind, name), 60)
     cluster.kubectl("delete", kind, name, "-n", namespace)
 
@@ -321,7 +325,7 @@ def test_a_deleted_service_or_configmap_is_restored(
 def test_a_hand_edited_deployment_is_restored(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
-    cluster.apply(*example(), namespace=namespace)
+    cluster.apply(*example(**NO_NODE), namespace=namespace)
     digest = wait_digest(cluster, namespace)
     wait_for("the Deployment", lambda: child_uid(cluster, namespace, "deployment", POOL), 60)
 
@@ -352,7 +356,7 @@ def test_a_child_the_api_server_rejects_is_named_in_the_status(
 ) -> None:
     # Valid for the CRD, invalid for a Deployment: the request exceeds the limit.
     resources = {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}
-    cluster.apply(*example(resources=resources), namespace=namespace)
+    cluster.apply(*example(resources=resources, **NO_NODE), namespace=namespace)
 
     def rejected() -> dict[str, Any] | None:
         found = condition(pool_status(cluster, namespace, POOL), "Degraded")
@@ -411,7 +415,7 @@ def test_a_disallowed_image_or_host_path_is_refused(
 def test_operator_restart_converges_without_duplicates(
     operator: OperatorProcess, cluster: ClusterHandle, namespace: str
 ) -> None:
-    cluster.apply(*example(), namespace=namespace)
+    cluster.apply(*example(**NO_NODE), namespace=namespace)
     wait_digest(cluster, namespace)
     # Kill the operator hard right after a spec change, before it can finish reconciling.
     patch_pool(cluster, namespace, POOL, {"maxModelLen": 3072})
@@ -448,7 +452,7 @@ def test_peered_replicas_do_not_fight(
         wait_for(
             "the lower replica to pause", lambda: "Pausing operations in favour of" in low.log(), 60
         )
-        cluster.apply(*example(), namespace=namespace)
+        cluster.apply(*example(**NO_NODE), namespace=namespace)
         wait_digest(cluster, namespace)
         # The status is patched inside the handler, so its success line may follow the digest.
         wait_for(
