@@ -23,6 +23,8 @@ times=${LLMPOOL_TEST_TIMES:-build/test-times}
 rm -rf "$times" && mkdir -p "$times"
 export LLMPOOL_TEST_TIMES="$PWD/$times"
 began=$SECONDS
+# The run's times, summed by stage, test file and test, whatever stage it ended in.
+trap 'python benchmarks/suite_times.py --times "$times" || true' EXIT
 
 # stage NAME COMMAND...: run COMMAND, print and record its wall time; its exit status stands.
 stage() {
@@ -58,4 +60,3 @@ stage binaries-wait wait "$binaries" || { cat "$times/binaries.log" >&2; exit 1;
 grep '^\[e2e build\]' "$times/binaries.log" || true
 stage unit pytest tests --junitxml="$times/unit.xml"
 stage e2e bash e2e/run-tests.sh
-python benchmarks/suite_times.py --times "$times"

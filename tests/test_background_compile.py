@@ -120,8 +120,10 @@ def test_a_failed_compile_is_reported_and_leaves_the_engine_serving_eager(
     assert generate(core, prompts, reference_new_tokens) == expected
 
 
-def test_an_eager_engine_reports_the_compile_off() -> None:
-    core = EngineCore(EngineConfig(dtype="float32", max_model_len=128, num_kv_blocks=8))
+def test_an_eager_engine_reports_the_compile_off(tiny_folder: Path) -> None:
+    core = EngineCore(
+        EngineConfig(model=str(tiny_folder), dtype="float32", max_model_len=128, num_kv_blocks=8)
+    )
     core.wait_for_compile()
     assert core.compile_report.as_dict()["enabled"] is False
     assert compile_state(core) == "off"
