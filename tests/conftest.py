@@ -176,6 +176,21 @@ TINY_LAYERS = 2
 
 @pytest.fixture(scope="session")
 def tiny_folder(builtin_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-smollm2"), builtin_folder)
+
+
+def readable_by_all(folder: Path) -> Path:
+    """``folder`` and its files made readable by any user (an image's uid 10001 mounting it);
+    safetensors writes its files 0600 and pytest makes its folders 0700."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return folder
+
+
+def write_tiny_checkpoint(folder: Path, builtin_folder: Path) -> Path:
+    """The tiny model (``TINY_LAYERS`` of the built-in model's), saved into ``folder``; the e2e
+    suite's compiled pool serves it too."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(builtin_folder)
@@ -183,7 +198,7 @@ def tiny_folder(builtin_folder: Path, tmp_path_factory: pytest.TempPathFactory) 
     # Peaked logits, so that no near-tie lets argmax flip between the engine and HF (as in
     # SMALL_MODEL).
     config.initializer_range = 0.1
-    return write_checkpoint(config, tmp_path_factory.mktemp("tiny-smollm2"), builtin_folder)
+    return write_checkpoint(config, folder, builtin_folder)
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -37,6 +39,9 @@ from harness import (
     wait_for,
     wait_pool_ready,
 )
+
+from llmpool.engine import model_source
+from tests.conftest import readable_by_all, write_tiny_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -517,19 +522,63 @@ def test_sample_pool_serves_and_reports_ready(
     ]
 
 
+@pytest.fixture
+def tiny_model() -> Iterator[Path]:
+    """The unit tests' tiny model (the built-in shapes, 2 of 30 layers; tests/conftest.py) in a
+    node folder the engine pods (uid 10001) can read: ``<prefix>/tiny``, yielded."""
+    prefix = Path(tempfile.mkdtemp(prefix="llmpool-e2e-models-"))
+    try:
+        prefix.chmod(0o755)
+        yield readable_by_all(
+            write_tiny_checkpoint(prefix / "tiny", model_source.resolve(None).folder)
+        )
+    finally:
+        shutil.rmtree(prefix, ignore_errors=True)
+
+
 @needs_engine
 def test_a_compiled_pool_serves_while_it_compiles_then_runs_compiled(
-    operator: OperatorProcess, cluster: ClusterHandle, namespace: str
+    operator: OperatorProcess,
+    cluster: ClusterHandle,
+    namespace: str,
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
     """``engine.compile``: the replica turns Ready and serves eager while it compiles every batch
     size in the background (inductor, with the image's g++, its kernels under the pod's /tmp on
-    a read-only root), then says in its log and /fingerprint that it runs compiled."""
-    documents = example()
+    a read-only root), then says in its log and /fingerprint that it runs compiled.
+
+    The pool serves the tiny model from a node path (file://): inductor compiles 2 layers, not
+    the built-in model's 30 (minutes of the node's 2 cores), and what is checked is the pool's
+    compile setting and the pod's compiler and /tmp. An operator of this namespace that allows
+    that path stands in for the suite's, which refuses node paths."""
+    model = {
+        "source": f"file://{tiny_model}",
+        "revision": model_source.resolve(str(tiny_model)).revision,
+        "servedName": "smollm2",
+    }
+    documents = example(model=model)
     spec = documents[1]["spec"]
     spec["replicas"] = 1
     spec["engine"] = {**spec["engine"], "compile": True, "maxNumBatchedTokens": 64}
     spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
-    cluster.apply(*documents, namespace=namespace)
+    operator.stop()
+    allowing = OperatorProcess(
+        cluster, tmp_path / "operator.log", "-n", namespace, "--standalone",
+        "--allow-host-path-models", f"--allowed-host-path-prefix={tiny_model.parent}",
+    )  # fmt: skip
+    try:
+        allowing.start()
+        cluster.apply(*documents, namespace=namespace)
+        compiled_replica_serves(cluster, namespace)
+        cluster.kubectl("delete", "llmpool", POOL, "-n", namespace, "--timeout=120s")
+    finally:
+        allowing.stop()
+        operator.start()
+
+
+def compiled_replica_serves(cluster: ClusterHandle, namespace: str) -> None:
+    """The compiled pool's one replica serves eager, then compiled (see the test above)."""
     wait_pool_ready(cluster, namespace, POOL)
     (pod,) = live_pods(cluster, namespace, POOL)
     assert "--compile" in pod["spec"]["containers"][0]["args"]

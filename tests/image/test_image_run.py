@@ -27,6 +27,7 @@ from llmpool.engine import builtin_model, model_source
 from llmpool.engine.llm import LLM
 from llmpool.engine.outputs import RequestOutput
 from llmpool.engine.sampling_params import SamplingParams
+from tests.conftest import readable_by_all
 
 pytestmark = pytest.mark.image
 
@@ -165,7 +166,7 @@ def test_compiled_engine_builds_its_kernels_in_tmp_and_answers_as_eager(tiny_fol
     The engine serves the tiny model (the built-in shapes, 2 layers; tests/conftest.py) from a
     read-only volume: inductor's compile of the built-in model's 30 layers took 295 s of the
     image stage, and what is checked here is the image's compiler and writable /tmp."""
-    tiny_folder.chmod(0o755)  # pytest made it 0700; the container runs as 10001
+    readable_by_all(tiny_folder)  # the container runs as 10001
     (expected,) = LLM(str(tiny_folder), device="cpu", dtype="float32").chat(
         MESSAGES, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     )
