@@ -19,9 +19,9 @@ if [[ "${1:-}" == "--fast" ]]; then
   shift
 fi
 if $fast; then export CI="${CI:-false}"; else export CI="${CI:-true}"; fi
-times=${LLMPOOL_TEST_TIMES:-build/test-times}
+times=$(realpath -m "${LLMPOOL_TEST_TIMES:-build/test-times}")
 rm -rf "$times" && mkdir -p "$times"
-export LLMPOOL_TEST_TIMES="$PWD/$times"
+export LLMPOOL_TEST_TIMES="$times"
 began=$SECONDS
 # The run's times, summed by stage, test file and test, whatever stage it ended in.
 trap 'python benchmarks/suite_times.py --times "$times" || true' EXIT
@@ -36,24 +36,22 @@ stage() {
   return "$status"
 }
 
-if $fast; then
-  stage lint ruff check .
-  stage format ruff format --check .
-  stage types bash scripts/typecheck.sh
-  stage unit pytest tests -m "not slow and not image" --junitxml="$times/unit.xml" "$@"
-  exit 0
-fi
-
 # The e2e binaries (helm too, which the chart tests run) build from the Go module proxy: on a
-# cold cache that is minutes of compiling on every core. They build in the background from the
-# start, beside lint, types and the image's build (downloads and layer writes, mostly), and the
-# tests start once they are there: tests beside a compiler on 2 cores run slower in all and make
-# the timing-sensitive ones flaky (docs/testing.md has the numbers).
-e2e/cluster build >"$times/binaries.log" 2>&1 &
-binaries=$!
+# cold cache that is minutes of compiling on every core. The full run builds them in the
+# background from the start, beside lint, types and the image's build (downloads and layer
+# writes, mostly), and the tests start once they are there: tests beside a compiler on 2 cores
+# run slower in all and make the timing-sensitive ones flaky (docs/testing.md has the numbers).
+if ! $fast; then
+  e2e/cluster build >"$times/binaries.log" 2>&1 &
+  binaries=$!
+fi
 stage lint ruff check .
 stage format ruff format --check .
 stage types bash scripts/typecheck.sh
+if $fast; then
+  stage unit pytest tests -m "not slow and not image" --junitxml="$times/unit.xml" "$@"
+  exit 0
+fi
 stage image-build bash scripts/build-image.sh
 export LLMPOOL_IMAGE_BUILT=1  # e2e/run-tests.sh takes this image instead of building it again
 stage binaries-wait wait "$binaries" || { cat "$times/binaries.log" >&2; exit 1; }
