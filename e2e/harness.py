@@ -144,6 +144,10 @@ def free_port() -> int:
 
 
 START_ATTEMPTS = 3
+# The engines' --gemm-probe-patience on this node: never quiet (its control plane, the tests and
+# neighbouring engines share 2 cores), so every start would wait out the default 15 s of it and
+# then keep the least disturbed run's choice anyway. The probes' own tests are in tests/.
+ENGINE_GEMM_PROBE_PATIENCE = 0
 
 
 class OperatorProcess:
@@ -166,6 +170,8 @@ class OperatorProcess:
             self.metrics_port, liveness_port = free_port(), free_port()
             argv = [sys.executable, "-m", "llmpool.cli", "operator", *self.extra]
             argv += [
+                "--engine-gemm-probe-patience",
+                str(ENGINE_GEMM_PROBE_PATIENCE),
                 "--metrics-port",
                 str(self.metrics_port),
                 "--liveness-port",

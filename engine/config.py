@@ -106,6 +106,9 @@ class EngineConfig:
     # Where compiled artifacts are kept between starts (engine/compile_cache.py): None is
     # $XDG_CACHE_HOME/llmpool/compile (else ~/.cache/llmpool/compile); '' or 'none' keeps none.
     compile_cache_dir: str | None = None
+    # How long the start-up GEMM probes wait for other processes to leave the CPUs before the
+    # least disturbed run's choice stands (kernels/capabilities.py); None: PROBE_PATIENCE_S.
+    gemm_probe_patience_s: float | None = None
     # LoRA adapters (engine/lora): slots resident beside the base model, and their largest rank.
     enable_lora: bool = False
     max_loras: int = 1
@@ -168,6 +171,10 @@ class EngineConfig:
             (
                 self.kv_cache_dtype in KV_CACHE_DTYPES,
                 f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}",
+            ),
+            (
+                self.gemm_probe_patience_s is None or self.gemm_probe_patience_s >= 0,
+                f"gemm_probe_patience_s must be 0 or more, got {self.gemm_probe_patience_s}",
             ),
             (1 <= self.max_loras <= 64, f"max_loras must be in 1..64, got {self.max_loras}"),
             (

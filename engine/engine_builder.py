@@ -318,7 +318,7 @@ def probe_kernels(
     dense = config.quantization == "none"  # quantized layers have their own kernels
     gemm_shape = (2 * shape.intermediate_size, shape.hidden_size) if dense else None
     store = gemm_store(config, dtype, gemm_shape) if device.type == "cpu" else None
-    kernels = probe_capabilities(device, dtype, gemm_shape, store)
+    kernels = probe_capabilities(device, dtype, gemm_shape, store, config.gemm_probe_patience_s)
     if not dense and device.type == "cpu":
         logger.info(
             "%s decodes on this CPU: %s",

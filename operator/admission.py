@@ -20,13 +20,16 @@ DEFAULT_MAX_DRIFT_RECREATIONS = 3
 
 @dataclass(frozen=True)
 class Policy:
-    """The operator's settings about what pools may ask for (`llmpool operator` flags)."""
+    """The operator's settings about what pools may ask for and how their engines run
+    (`llmpool operator` flags)."""
 
     engine_image: str
     allowed_images: tuple[str, ...]
     allow_host_path_models: bool = False
     allowed_host_path_prefixes: tuple[str, ...] = ()
     max_drift_recreations: int = DEFAULT_MAX_DRIFT_RECREATIONS
+    # Every engine's --gemm-probe-patience; None: the engine's default (15 s).
+    engine_gemm_probe_patience_s: float | None = None
 
     @classmethod
     def default(cls, engine_image: str) -> Policy:

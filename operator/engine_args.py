@@ -18,12 +18,13 @@ def quantity_bytes(quantity: int | str) -> int:
     return int(parse_quantity(quantity))
 
 
-def engine_args(spec: PoolSpec) -> list[str]:
+def engine_args(spec: PoolSpec, gemm_probe_patience_s: float | None = None) -> list[str]:
     """Arguments after ``llmpool serve``: the model, then vLLM-named flags.
 
     Every pinned field is passed explicitly, so that an engine's /fingerprint never depends on
     its own defaults; ``--quantization`` is left out for ``none`` (the engine's default, which
-    vLLM spells as no flag at all).
+    vLLM spells as no flag at all). ``gemm_probe_patience_s`` is the operator's setting
+    (``--engine-gemm-probe-patience``), not the pool's; None leaves the engine's default.
     """
     engine = spec.engine
     args = [
@@ -64,5 +65,8 @@ def engine_args(spec: PoolSpec) -> list[str]:
             "--max-loras", str(lora.max_loras),
             "--max-lora-rank", str(lora.max_lora_rank),
         ]  # fmt: skip
+    if gemm_probe_patience_s is not None:
+        # Not pinned: it decides how long a start may wait for quiet CPUs, not what runs.
+        args += ["--gemm-probe-patience", repr(float(gemm_probe_patience_s))]
     args += ["--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT)]
     return args

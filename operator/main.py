@@ -86,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--engine-gemm-probe-patience",
+        type=float,
+        default=os.environ.get("LLMPOOL_ENGINE_GEMM_PROBE_PATIENCE"),
+        metavar="SECONDS",
+        help=(
+            "every engine's --gemm-probe-patience: how long its start-up GEMM probes wait for "
+            "quiet CPUs (0: one run, for nodes always busy); changing it rolls every pool; "
+            "default: the engine's (env LLMPOOL_ENGINE_GEMM_PROBE_PATIENCE)"
+        ),
+    )
+    parser.add_argument(
         "--liveness-port",
         type=int,
         default=8080,
@@ -148,6 +159,9 @@ def policy_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     relative = [prefix for prefix in prefixes if not prefix.startswith("/")]
     if relative:
         parser.error(f"--allowed-host-path-prefix must be absolute, got {', '.join(relative)}")
+    patience = args.engine_gemm_probe_patience
+    if patience is not None and patience < 0:
+        parser.error(f"--engine-gemm-probe-patience must be 0 or more, got {patience}")
     if args.max_drift_recreations < 0:
         parser.error(f"--max-drift-recreations must be 0 or more, got {args.max_drift_recreations}")
     default = admission.Policy.default(args.engine_image)
@@ -157,6 +171,7 @@ def policy_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         allow_host_path_models=args.allow_host_path_models,
         allowed_host_path_prefixes=prefixes,
         max_drift_recreations=args.max_drift_recreations,
+        engine_gemm_probe_patience_s=patience,
     )
 
 

@@ -305,10 +305,14 @@ def _rendered_children(
     pinned: dict[str, Any],
     digest: str,
     observed: Observed,
-    image: str,
+    policy: admission.Policy,
     replicas: int,
 ) -> list[dict[str, Any]]:
     name, key = pool.name, observed.engine_key
+    patience = policy.engine_gemm_probe_patience_s
+    deployment = render.render_deployment(
+        name, pool.spec, digest, policy.engine_image, replicas, key, patience
+    )
     rendered = [
         render.render_configmap(name, pinned, observed.chat_template),
         *([render.render_engine_key_secret(name, key)] if key else []),
@@ -316,7 +320,7 @@ def _rendered_children(
         render.render_disruption_budget(name, pool.spec),
         render.render_demand(name),
         # Last: its pods read the Secret and the ConfigMap above.
-        render.render_deployment(name, pool.spec, digest, image, replicas, key),
+        deployment,
     ]
     kopf.adopt(rendered, owner=cast(kopf.Body, pool.body))
     return rendered
@@ -342,9 +346,7 @@ def _apply_children(
         return replace(before, blocked=admission.Refusal(APPLY_REJECTED, rejected.message))
     if observed.conflict is not None:
         return replace(before, blocked=admission.Refusal(OWNERSHIP_CONFLICT, observed.conflict))
-    rendered = _rendered_children(
-        pool, dict(pinned), digest, observed, policy.engine_image, replicas
-    )
+    rendered = _rendered_children(pool, dict(pinned), digest, observed, policy, replicas)
     reconcile = pool.generation > pool.applied_generation or digest != pool.digest
     rescaled = scaling is not None and scaling.changed
     due, rekeyed = _children_due(rendered, observed, state, reconcile=reconcile, rescaled=rescaled)

@@ -173,14 +173,14 @@ def _adapter_volumes(spec: PoolSpec) -> tuple[list[dict], list[dict], list[str]]
     return volumes, mounts, sorted(roots)
 
 
-def _engine_container(spec: PoolSpec, image: str) -> dict:
+def _engine_container(spec: PoolSpec, image: str, gemm_probe_patience_s: float | None) -> dict:
     port = naming.ENGINE_PORT_NAME
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image or image,
         # The image's ENTRYPOINT is the `llmpool` console script (the same image runs the
         # operator), so only the subcommand and its arguments are given.
-        "args": ["serve", *engine_args(spec)],
+        "args": ["serve", *engine_args(spec, gemm_probe_patience_s)],
         "ports": [{"name": port, "containerPort": naming.ENGINE_PORT, "protocol": "TCP"}],
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": port},
@@ -252,15 +252,18 @@ def render_deployment(
     image: str,
     replicas: int | None = None,
     engine_key: str | None = None,
+    gemm_probe_patience_s: float | None = None,
 ) -> dict:
     """The engine Deployment; ``image`` is used when the spec names none, ``replicas`` (the
     autoscaler's count) when given, else ``spec.replicas``; with an ``engine_key`` (not in open
-    mode) the engine reads it from the pool's Secret as ``LLMPOOL_API_KEY``.
+    mode) the engine reads it from the pool's Secret as ``LLMPOOL_API_KEY``;
+    ``gemm_probe_patience_s`` is the operator's ``--engine-gemm-probe-patience``.
 
-    The pod template depends on the spec's engine settings, ``digest`` and the key's hash only,
-    never on ``replicas``, so scaling does not roll the pods while any pinned change does.
+    The pod template depends on the spec's engine settings, ``digest``, the key's hash and the
+    operator's engine settings only, never on ``replicas``, so scaling does not roll the pods
+    while any pinned change does.
     """
-    container = _engine_container(spec, image)
+    container = _engine_container(spec, image, gemm_probe_patience_s)
     template_annotations = {naming.DIGEST_ANNOTATION: digest}
     if engine_key is not None:
         secret = naming.engine_key_secret_name(pool)

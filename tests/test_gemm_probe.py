@@ -160,6 +160,18 @@ def test_past_its_patience_the_least_disturbed_run_stands_with_a_warning(
     assert probe.as_observed() == {"attempts": 4, "neighbourShare": 0.3, "stored": False}
 
 
+def test_a_patience_given_replaces_the_default_and_zero_takes_one_run(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--gemm-probe-patience``: an engine on a node known to be busy (a test cluster, a
+    scale-from-zero pool that must start fast) gives its choice up after one disturbed run."""
+    answers, clock = probe_answers(monkeypatch, [0.6, 0.05])
+    with caplog.at_level(logging.WARNING, logger=capabilities.__name__):
+        answer, probe = capabilities.undisturbed(pytest.fail, patience_s=0.0)
+    assert answer == answers[0] and probe == GemmProbe(attempts=1, neighbour_share=0.6)
+    assert clock.pauses == [] and "for 0 s" in caplog.text
+
+
 def test_a_disturbed_probe_stops_once_another_start_stored_a_choice(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

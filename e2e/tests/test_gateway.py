@@ -22,6 +22,7 @@ import httpx
 import pytest
 import yaml
 from harness import (
+    ENGINE_GEMM_PROBE_PATIENCE,
     ENGINE_START_SECONDS,
     IMAGE,
     ROOT,
@@ -87,7 +88,9 @@ def engines(cluster: ClusterHandle, namespace: str) -> tuple[list[str], str]:
     cluster.apply(
         obj,
         render.render_service(POOL),
-        render.render_deployment(POOL, spec, digest, IMAGE),
+        render.render_deployment(
+            POOL, spec, digest, IMAGE, gemm_probe_patience_s=ENGINE_GEMM_PROBE_PATIENCE
+        ),
         namespace=namespace,
     )
     selector = naming.selector_string(POOL)

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 from harness import (
+    ENGINE_GEMM_PROBE_PATIENCE,
     IMAGE,
     ROOT,
     ClusterHandle,
@@ -75,6 +76,7 @@ def install_args(namespace: str, *values: str) -> list[str]:
         namespace,
         "--wait",
         f"--timeout={HELM_TIMEOUT_SECONDS}s",
+        f"--set=engineGemmProbePatienceSeconds={ENGINE_GEMM_PROBE_PATIENCE}",
         *(arg for value in values for arg in ("--set", value)),
     ]
 

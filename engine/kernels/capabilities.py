@@ -122,11 +122,13 @@ def probe_kernels(
     dtype: torch.dtype | None = None,
     weight_shape: tuple[int, int] | None = None,
     store: GemmStore | None = None,
+    patience_s: float | None = None,
 ) -> KernelCapabilities:
     """The capabilities of an engine on ``device``: on CPU the C kernels are built (or found in
     the cache) now. For a float32 or bfloat16 model on CPU, ``weight_shape`` (the widest dense
     projection; None for quantized layers, which have their own kernels) is the GEMM the choices
-    of ``gemm`` are measured on, unless ``store`` holds the choice of an earlier start."""
+    of ``gemm`` are measured on, unless ``store`` holds the choice of an earlier start; the
+    probes wait up to ``patience_s`` (None: ``PROBE_PATIENCE_S``) for quiet CPUs."""
     on_cpu = device.type == "cpu"
     kernels = KernelCapabilities(
         cpu_decode=on_cpu and cpu_decode.KERNEL.available,
@@ -159,12 +161,15 @@ def probe_kernels(
             return choose_float32_gemm(torch.randn(weight_shape))
     else:
         return kernels
-    decision = stored_or_probed(choose, store, kernels)
+    decision = stored_or_probed(choose, store, kernels, patience_s)
     return replace(kernels, gemm=decision.gemm, gemm_probe=decision.probe)
 
 
 def stored_or_probed(
-    choose: Callable[[], Choice], store: GemmStore | None, kernels: KernelCapabilities
+    choose: Callable[[], Choice],
+    store: GemmStore | None,
+    kernels: KernelCapabilities,
+    patience_s: float | None = None,
 ) -> GemmDecision:
     """The choice ``store`` holds where it names kernels built here; else ``choose``'s, probed
     now (:func:`undisturbed`) and published to ``store`` where the run was settled. A choice
@@ -180,7 +185,9 @@ def stored_or_probed(
             return stored
         store.discard(f"it names a kernel not built here ({stored.gemm})")
     (gemm, says), probe = undisturbed(
-        choose, stored_meanwhile=None if store is None else lambda: stored_here(store, kernels)
+        choose,
+        stored_meanwhile=None if store is None else lambda: stored_here(store, kernels),
+        patience_s=patience_s,
     )
     logger.info("%s; the probes ran %s", says, describe(probe))
     decision = GemmDecision(gemm, says, probe)
@@ -212,14 +219,18 @@ def runs_here(gemm: GemmChoice, kernels: KernelCapabilities) -> bool:
 
 
 def undisturbed(
-    probe: Callable[[], Choice], stored_meanwhile: Callable[[], GemmDecision | None] | None = None
+    probe: Callable[[], Choice],
+    stored_meanwhile: Callable[[], GemmDecision | None] | None = None,
+    patience_s: float | None = None,
 ) -> tuple[Choice, GemmProbe]:
     """``probe()``'s answer from a run that had the CPUs to itself: it runs again after a random
     pause (``PROBE_PAUSE_S``) while other processes used more than ``PROBE_NEIGHBOUR_SHARE_MAX``
-    of the CPUs, for up to ``PROBE_PATIENCE_S``; past that the least disturbed run's answer
-    stands, with a warning. It stands at once where ``stored_meanwhile()`` finds a choice
-    another start stored (replicas starting together): the caller takes that one instead."""
-    deadline = time.monotonic() + PROBE_PATIENCE_S
+    of the CPUs, for up to ``patience_s`` (None: ``PROBE_PATIENCE_S``; 0: one run); past that
+    the least disturbed run's answer stands, with a warning. It stands at once where
+    ``stored_meanwhile()`` finds a choice another start stored (replicas starting together):
+    the caller takes that one instead."""
+    patience_s = PROBE_PATIENCE_S if patience_s is None else patience_s
+    deadline = time.monotonic() + patience_s
     runs: list[tuple[float, Choice]] = []
     while True:
         started = time.monotonic()
@@ -246,7 +257,7 @@ def undisturbed(
     logger.warning(
         "the GEMM probes shared the CPUs with other processes for %.0f s (%s): the choice below"
         " may not be this CPU's; a restart on a quieter node probes again",
-        PROBE_PATIENCE_S, describe(probe_run),
+        patience_s, describe(probe_run),
     )  # fmt: skip
     return answer, probe_run
 

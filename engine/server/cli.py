@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
     )
     flags.add(
+        "--gemm-probe-patience",
+        "seconds the start-up GEMM probes (on CPU) may wait for other processes to leave the"
+        " CPUs before the least disturbed run's choice stands; 0: one run; default: 15",
+        type=float, default=None,
+    )  # fmt: skip
+    flags.add(
         "--speculative-config",
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens":'
         ' 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size":'
@@ -251,6 +257,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        gemm_probe_patience_s=args.gemm_probe_patience,
         **optional,
     )
 

@@ -206,17 +206,19 @@ def test_admission_arguments_follow_the_values() -> None:
             allowHostPathModels=True,
             allowedHostPathPrefixes=["/models", "/data/llm"],
             maxDriftRecreations=1,
+            engineGemmProbePatienceSeconds=0,
         ),
         "Deployment",
     )
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert [a for a in args if a.startswith(("--allow", "--max-drift"))] == [
+    assert [a for a in args if a.startswith(("--allow", "--max-drift", "--engine-gemm"))] == [
         "--allowed-image=registry.local/llmpool",
         "--allowed-image=registry.local/team/",
         "--allow-host-path-models",
         "--allowed-host-path-prefix=/models",
         "--allowed-host-path-prefix=/data/llm",
         "--max-drift-recreations=1",
+        "--engine-gemm-probe-patience=0",
     ]
     # ... and the operator accepts exactly these arguments.
     from llmpool.operator.main import build_parser, policy_from_args
@@ -225,6 +227,9 @@ def test_admission_arguments_follow_the_values() -> None:
     policy = policy_from_args(parser, parser.parse_args(args[1:]))
     assert policy.allowed_images == ("registry.local/llmpool", "registry.local/team/")
     assert policy.allowed_host_path_prefixes == ("/models", "/data/llm")
+    assert policy.engine_gemm_probe_patience_s == 0.0
+    default_args = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--engine-gemm-probe-patience") for a in default_args)
 
 
 def test_host_path_models_without_prefixes_fail_with_a_reason() -> None:
@@ -417,6 +422,7 @@ BAD_VALUES = {
     "monitor interval not a duration": ["--set", "monitoring.serviceMonitor.interval=often"],
     "relative host path prefix": ["--set", "allowedHostPathPrefixes={models}"],
     "negative drift recreations": ["--set", "maxDriftRecreations=-1"],
+    "negative probe patience": ["--set", "engineGemmProbePatienceSeconds=-1"],
 }
 
 

@@ -68,6 +68,7 @@ def test_admission_defaults(monkeypatch):
     assert found.allowed_images == ("ghcr.io/llmpool/llmpool",)
     assert not found.allow_host_path_models and found.allowed_host_path_prefixes == ()
     assert found.max_drift_recreations == 3
+    assert found.engine_gemm_probe_patience_s is None
 
 
 def test_admission_flags_and_environment(monkeypatch):
@@ -85,6 +86,9 @@ def test_admission_flags_and_environment(monkeypatch):
     )
     assert found.allow_host_path_models and found.allowed_host_path_prefixes == ("/models",)
     assert found.max_drift_recreations == 1
+    monkeypatch.setenv("LLMPOOL_ENGINE_GEMM_PROBE_PATIENCE", "3")
+    assert policy([]).engine_gemm_probe_patience_s == 3.0
+    assert policy(["--engine-gemm-probe-patience", "0"]).engine_gemm_probe_patience_s == 0.0
 
 
 @pytest.mark.parametrize(
@@ -93,6 +97,7 @@ def test_admission_flags_and_environment(monkeypatch):
         ["--allow-host-path-models"],
         ["--allow-host-path-models", "--allowed-host-path-prefix", "models"],
         ["--max-drift-recreations", "-1"],
+        ["--engine-gemm-probe-patience", "-1"],
     ],
 )
 def test_contradictory_admission_flags(argv, capsys):

@@ -302,6 +302,21 @@ def test_the_engine_key_comes_from_the_pools_secret_never_from_the_template(chat
     assert naming.ENGINE_KEY_HASH_ANNOTATION not in json.dumps(open_mode)
 
 
+def test_the_operators_gemm_probe_patience_reaches_every_engine_unpinned(chat_spec):
+    from llmpool.engine.server.cli import build_parser, engine_config
+
+    spec = PoolSpec.from_dict(chat_spec)
+    default = engine_container(render_deployment("chat", spec, DIGEST, IMAGE))["args"]
+    assert "--gemm-probe-patience" not in default
+    impatient = render_deployment("chat", spec, DIGEST, IMAGE, gemm_probe_patience_s=0)
+    args = engine_container(impatient)["args"]
+    assert engine_config(build_parser().parse_args(args[1:])).gemm_probe_patience_s == 0.0
+    # The engine's answers do not depend on it: the pin (and so the digest) stays as it is.
+    assert pinning.pinned_from_engine_args(
+        build_parser().parse_args(args[1:]), None
+    ) == pinning.pinned_from_engine_args(build_parser().parse_args(default[1:]), None)
+
+
 def test_the_engine_reads_its_key_from_the_env_the_deployment_sets(monkeypatch):
     from llmpool.engine.server.cli import build_parser
 

@@ -138,6 +138,18 @@ def test_options_the_engine_cannot_run_are_refused_by_the_parser(
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_the_gemm_probe_patience_reaches_the_engine_config_and_is_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert engine_config(build_parser().parse_args([])).gemm_probe_patience_s is None
+    args = build_parser().parse_args(["--gemm-probe-patience", "0"])
+    assert engine_config(args).gemm_probe_patience_s == 0.0
+    monkeypatch.setenv("LLMPOOL_GEMM_PROBE_PATIENCE", "2.5")
+    assert engine_config(build_parser().parse_args([])).gemm_probe_patience_s == 2.5
+    with pytest.raises(ValueError, match="gemm_probe_patience_s must be 0 or more"):
+        engine_config(build_parser().parse_args(["--gemm-probe-patience", "-1"]))
+
+
 def test_lora_flags_reach_the_engine_config_and_modules_parse_as_vllm_writes_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
