@@ -22,10 +22,11 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llmpool import names
 from llmpool.gateway.pools import Pool, Replica
 from llmpool.protocol.priority import PRIORITY_CLASSES
 
@@ -111,31 +112,35 @@ def requested_class(body_priority: Any, header: str | None) -> str | None:
 
 def resolve(pools: Sequence[Pool], model: str) -> tuple[list[Pool], str | None]:
     """The pools, among those the caller may use, that ``model`` names, and the adapter it asks
-    for (None: the base model).
+    for (None: the base model), as the pool's spec spells it (the engines know that spelling).
 
-    By served name, or as ``namespace/servedName``; failing that, by the name of an adapter in
-    ``spec.adapters``, bare or qualified alike (the adapter comes back bare, as the engines know
-    it). Pools of one namespace may share a name (one per priority class); pools of two
-    namespaces sharing one make the bare name ambiguous: a 400 naming the qualified names, never
-    a winner picked by sort order.
+    Names are compared in their normal form (``llmpool.names.normalize``: NFKC, case folded),
+    the whole ``model`` normalised before it is split. ``namespace/name`` is resolved in that
+    namespace only: its served names, then its adapters; it never matches a bare name (names
+    hold no ``/``), so no pool of another namespace takes it, whatever that pool is named. A
+    bare name is looked up among the served names of every visible pool, then among their
+    adapters. Pools of one namespace may share a name (one per priority class); a bare name
+    that pools of two namespaces claim is a 400 naming the qualified ids, never a winner picked
+    by sort order. Pools whose names break the grammar (objects stored before the CRD refused
+    them) are never matched.
     """
-    named = _named(pools, model, lambda pool, name: pool.served_name == name)
+    split = names.split_qualified(model)
+    if split is None:
+        raise _not_found(pools, model)
+    namespace, name = split
+    scoped = [p for p in pools if namespace in (None, names.normalize(p.namespace))]
+    named = _named(scoped, model, lambda pool: name in _served_names(pool))
     if named:
         return named, None
-    named = _named(pools, model, lambda pool, name: name in pool.adapters)
+    named = _named(scoped, model, lambda pool: name in _adapter_names(pool))
     if not named:
         raise _not_found(pools, model)
-    adapter = model if model in named[0].adapters else model.split("/", 1)[1]
-    return named, adapter
+    return named, _adapter_names(named[0])[name]
 
 
-def _named(pools: Sequence[Pool], model: str, names: Callable[[Pool, str], bool]) -> list[Pool]:
-    """The pools ``names(pool, model)`` holds for, else those of ``namespace/name``; a 400 if
-    they are in several namespaces."""
-    named = [p for p in pools if names(p, model)]
-    if not named and "/" in model:
-        namespace, name = model.split("/", 1)
-        named = [p for p in pools if p.namespace == namespace and names(p, name)]
+def _named(pools: Sequence[Pool], model: str, names_it: Callable[[Pool], bool]) -> list[Pool]:
+    """The pools ``names_it`` holds for; a 400 if they are in several namespaces."""
+    named = [p for p in pools if names_it(p)]
     namespaces = sorted({p.namespace for p in named})
     if len(namespaces) > 1:
         qualified = ", ".join(f"{namespace}/{model}" for namespace in namespaces)
@@ -147,6 +152,18 @@ def _named(pools: Sequence[Pool], model: str, names: Callable[[Pool, str], bool]
     return named
 
 
+def _served_names(pool: Pool) -> dict[str, str]:
+    """The pool's served name by its normal form; empty if it breaks the grammar."""
+    if not names.is_valid_name(pool.served_name):
+        return {}
+    return {names.normalize(pool.served_name): pool.served_name}
+
+
+def _adapter_names(pool: Pool) -> dict[str, str]:
+    """The pool's adapter names (those that keep the grammar) by their normal form."""
+    return {names.normalize(a): a for a in pool.adapters if names.is_valid_name(a)}
+
+
 def _not_found(pools: Sequence[Pool], model: str) -> RoutingError:
     served = ", ".join([*model_ids(pools), *adapter_ids(pools)]) or "none"
     return RoutingError(
@@ -156,23 +173,30 @@ def _not_found(pools: Sequence[Pool], model: str) -> RoutingError:
 
 def model_ids(pools: Sequence[Pool]) -> list[str]:
     """The ids ``/v1/models`` lists for ``pools`` (those the caller may use): the served name of
-    each pool that is Ready or comes up on demand, once; a served name claimed in several
-    namespaces is listed as ``namespace/servedName`` for each instead, the ids that work."""
-    return sorted({_listed_id(pools, p, p.served_name, _served_name) for p in _listed(pools)})
+    each pool that is Ready or comes up on demand, once (in one spelling, compared normalised);
+    a served name claimed in several namespaces is listed as ``namespace/servedName`` for each
+    instead, the ids that work."""
+    listed: dict[str, str] = {}
+    for pool in _listed(pools):
+        for served in _served_names(pool).values():
+            model_id = _listed_id(pools, pool, served, _served_names)
+            normal = names.normalize(model_id)
+            listed[normal] = min(listed.get(normal, model_id), model_id)
+    return sorted(listed.values())
 
 
 def adapter_ids(pools: Sequence[Pool]) -> dict[str, str]:
     """The adapters ``/v1/models`` lists, by the same rules as :func:`model_ids`, each with its
     parent: the id its pool's base model is listed under. An adapter named like a served model
     is left out: that name routes to the served model."""
-    served = {p.served_name for p in pools}
+    served = {normal for pool in pools for normal in _served_names(pool)}
     return {
-        _listed_id(pools, pool, name, lambda p: p.adapters): _listed_id(
-            pools, pool, pool.served_name, _served_name
+        _listed_id(pools, pool, name, _adapter_names): _listed_id(
+            pools, pool, pool.served_name, _served_names
         )
         for pool in _listed(pools)
-        for name in sorted(pool.adapters)
-        if name not in served
+        for normal, name in sorted(_adapter_names(pool).items())
+        if normal not in served
     }
 
 
@@ -180,15 +204,12 @@ def _listed(pools: Sequence[Pool]) -> list[Pool]:
     return [pool for pool in pools if pool.ready or pool.scales_from_zero]
 
 
-def _served_name(pool: Pool) -> set[str]:
-    return {pool.served_name}
-
-
 def _listed_id(
-    pools: Sequence[Pool], pool: Pool, name: str, names: Callable[[Pool], Collection[str]]
+    pools: Sequence[Pool], pool: Pool, name: str, names_of: Callable[[Pool], Mapping[str, str]]
 ) -> str:
-    """``name`` if only one namespace's pools have it among ``names(pool)``, else qualified."""
-    if len({p.namespace for p in pools if name in names(p)}) == 1:
+    """``name`` if only one namespace's pools have it among ``names_of(pool)``, else qualified."""
+    normal = names.normalize(name)
+    if len({p.namespace for p in pools if normal in names_of(p)}) == 1:
         return name
     return f"{pool.namespace}/{name}"
 

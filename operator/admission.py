@@ -1,8 +1,11 @@
-"""Which pools the operator agrees to run: engine images and node paths its administrator allows.
+"""Which pools the operator agrees to run: names in the grammar, engine images and node paths
+its administrator allows.
 
 The operator creates engine pods with its own RBAC from whatever a pool's author writes, so
 ``spec.image`` and ``file://`` sources (hostPath mounts of a node path) are checked against
-operator settings first; a refused pool gets a condition and an Event, and no children.
+operator settings first; a refused pool gets a condition and an Event, and no children. Its
+names are checked as the CRD checks them (``llmpool.names``), for objects stored before the CRD
+did and for what the CRD cannot say: names that differ only in case or Unicode form.
 """
 
 from __future__ import annotations
@@ -10,11 +13,13 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
+from llmpool import names
 from llmpool.operator import adapters
 from llmpool.operator.spec import PoolSpec
 
 IMAGE_NOT_ALLOWED = "ImageNotAllowed"
 HOST_PATH_NOT_ALLOWED = "HostPathNotAllowed"
+INVALID_NAME = "InvalidName"
 DEFAULT_MAX_DRIFT_RECREATIONS = 3
 
 
@@ -74,6 +79,9 @@ def host_path_allowed(path: str, prefixes: tuple[str, ...]) -> bool:
 
 def refusal(spec: PoolSpec, policy: Policy) -> Refusal | None:
     """Why the operator will not create this pool's pods, or None."""
+    invalid = name_refusal(spec)
+    if invalid is not None:
+        return invalid
     own_image = spec.image is None or spec.image == policy.engine_image
     if not own_image and not image_allowed(str(spec.image), policy.allowed_images):
         allowed = ", ".join(policy.allowed_images) or "(none)"
@@ -94,6 +102,29 @@ def refusal(spec: PoolSpec, policy: Policy) -> Refusal | None:
             )
             if found is not None:
                 return found
+    return None
+
+
+def name_refusal(spec: PoolSpec) -> Refusal | None:
+    """A served name or adapter name outside the grammar, or two of them alike once
+    normalised (the gateway could not tell them apart)."""
+    fields = [("spec.model.servedName", spec.served_name)]
+    fields += [(f"spec.adapters[{a.name}].name", a.name) for a in spec.adapters]
+    seen: dict[str, str] = {}
+    for field, name in fields:
+        error = names.name_error(name, field)
+        if error is not None:
+            if field == "spec.model.servedName":
+                error += " (when not set, it is the last path segment of spec.model.source)"
+            return Refusal(INVALID_NAME, error)
+        normal = names.normalize(name)
+        if normal in seen:
+            message = (
+                f"{field} {name!r} is {seen[normal]}'s name up to case and Unicode form; clients"
+                " could not tell them apart"
+            )
+            return Refusal(INVALID_NAME, message)
+        seen[normal] = field
     return None
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import kopf
 
+from llmpool import names
 from llmpool.load import Demand, demand_records
 from llmpool.operator import children, naming
 from llmpool.operator.spec import PoolSpec
@@ -80,11 +81,13 @@ def gateway_demands(
 def pools_by_served_name(
     namespace: str | None, name: str | None, spec: kopf.Spec, **_: Any
 ) -> dict[str, tuple[str | None, str | None]]:
+    """Keyed by the served name's normal form (``llmpool.names.normalize``): ``Chat`` and
+    ``chat`` are one name to the gateway, so one claim here."""
     try:
         served = PoolSpec.from_dict(spec).served_name
     except (KeyError, TypeError):
         return {}  # not a pool the operator can serve: it claims nothing
-    return {served: (namespace, name)}
+    return {names.normalize(served): (namespace, name)}
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class Indexed:
     deployment: DeploymentView | None
     children: dict[str, children.ChildView] = field(default_factory=dict)  # by kind and name
     demand: dict[str, Demand] = field(default_factory=dict)  # by gateway replica
-    # Every pool's (namespace, name) by served name: kopf's index itself, not a copy.
+    # Every pool's (namespace, name) by normalised served name: kopf's index itself, not a copy.
     served_name_claims: Mapping[str, Iterable[tuple[str, str]]] = field(default_factory=dict)
 
 

@@ -494,7 +494,7 @@ def _status(
         pool=pool.name,
         served_name=pool.spec.served_name,
         served_name_rivals=rivals(
-            observed.served_name_claims.get(pool.spec.served_name, []), pool.namespace
+            observed.served_name_claims, pool.spec.served_name, pool.namespace
         ),
         revision=pool.spec.revision,
         generation=pool.generation,

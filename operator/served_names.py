@@ -2,19 +2,26 @@
 
 The gateway resolves a model name within what a caller may use; a name two namespaces both claim
 is still a conflict to show on both pools (condition ``ServedNameConflict`` and an Event), so
-that no one learns of it from traffic going to the other team's pool.
+that no one learns of it from traffic going to the other team's pool. Claims are qualified
+(namespace and pool) and keyed by the served name's normal form, as the gateway compares names:
+``Chat`` in one namespace and ``chat`` in another are one name claimed twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
+from llmpool import names
 from llmpool.operator import conditions as cond
 
 
-def rivals(claims: Iterable[tuple[str, str]], namespace: str) -> list[str]:
-    """``namespace/name`` of the pools in other namespaces among a served name's claims."""
-    return sorted({f"{ns}/{name}" for ns, name in claims if ns != namespace})
+def rivals(
+    claims: Mapping[str, Iterable[tuple[str, str]]], served_name: str, namespace: str
+) -> list[str]:
+    """``namespace/name`` of the pools in other namespaces that claim ``served_name``, in any
+    spelling of it (``claims``: every pool's (namespace, name) by normalised served name)."""
+    claimed = claims.get(names.normalize(served_name), [])
+    return sorted({f"{ns}/{name}" for ns, name in claimed if ns != namespace})
 
 
 def served_name_condition(name: str, rival_pools: Sequence[str]) -> cond.Condition:

@@ -12,7 +12,7 @@ ln -s "$PWD/operator" "$tree/llmpool/operator"
 ln -s "$PWD/gateway" "$tree/llmpool/gateway"
 cd "$tree"
 mypy --ignore-missing-imports --follow-imports=silent \
-  -p llmpool.operator -p llmpool.gateway -p llmpool.protocol -m llmpool.prometheus \
+  -p llmpool.operator -p llmpool.gateway -p llmpool.protocol -m llmpool.prometheus -m llmpool.names \
   -m llmpool.engine.engine_builder -m llmpool.engine.kv_cache -m llmpool.engine.models.quantization \
   -m llmpool.engine.scheduler -m llmpool.engine.kv_cache_manager -m llmpool.engine.block_pool \
   -m llmpool.engine.request -m llmpool.engine.engine_core -m llmpool.engine.model_runner \

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from llmpool import names
 from llmpool.engine.admission import InvalidRequestError, PromptTooLongError
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.lora.manager import UnknownAdapterError
@@ -245,9 +246,9 @@ class OpenAIServer:
         return endpoint
 
     def _check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter the request's ``model`` names, None for the served model itself;
-        any other name is a 404."""
-        if model is None or model == self.model_name:
+        """The LoRA adapter the request's ``model`` names, None for the served model itself
+        (names compared in their normal form); any other name is a 404."""
+        if model is None or names.normalize(model) == names.normalize(self.model_name):
             return None
         adapter = self.lora.adapter_for(model)
         if adapter is None:

@@ -19,13 +19,12 @@ from typing import Any
 
 import uvicorn
 
-from llmpool import pinning
+from llmpool import names, pinning
 from llmpool.engine.config import QUANTIZATIONS, EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.lora.adapter import AdapterError
 from llmpool.engine.model_source import ADAPTER_FILES, RevisionMismatchError, adapter_digest
 from llmpool.engine.server.app import ServerSettings, build_app
-from llmpool.engine.server.lora_routes import ADAPTER_NAME
 from llmpool.engine.server.tool_calls import TOOL_CALL_PARSERS
 from llmpool.protocol.limits import DEFAULT_MAX_RESPONSE_TOKENS, STREAMED_RESPONSE_FACTOR
 
@@ -242,6 +241,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raise ValueError(
                 f"{flag} {value} is not supported by this engine build (only {default})"
             )
+    if args.served_model_name is not None:
+        names.check_name(args.served_model_name, "--served-model-name")
     return EngineConfig(
         model=args.model,
         revision=args.revision,
@@ -279,13 +280,10 @@ def lora_modules(args: argparse.Namespace) -> list[LoraModule]:
         raise ValueError("--lora-modules needs --enable-lora")
     modules = [_lora_module(entry) for entry in entries]
     for module in modules:
-        if not ADAPTER_NAME.match(module.name):
-            raise ValueError(
-                f"--lora-modules: name {module.name!r} must match {ADAPTER_NAME.pattern}"
-            )
-    names = [module.name for module in modules]
-    if len(set(names)) != len(names):
-        raise ValueError(f"--lora-modules names an adapter twice: {names}")
+        names.check_name(module.name, "--lora-modules: name")
+    adapter_names = [module.name for module in modules]
+    if len({names.normalize(name) for name in adapter_names}) != len(adapter_names):
+        raise ValueError(f"--lora-modules names an adapter twice (in any case): {adapter_names}")
     return modules
 
 
@@ -383,7 +381,7 @@ def _load_engine(
         core = EngineCore(config)
         name = served_name or pinning.default_served_name(core.resolved.source)
         for module in modules:
-            if module.name == name:
+            if names.normalize(module.name) == names.normalize(name):
                 raise AdapterError(
                     "invalid_adapter", f"--lora-modules: {module.name!r} is the served model's name"
                 )

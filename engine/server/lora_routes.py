@@ -9,12 +9,12 @@ changes nothing but the record of failures that ``/fingerprint`` shows.
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
+from llmpool import names
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.lora.adapter import AdapterError
 from llmpool.engine.lora.manager import UnknownAdapterError
@@ -22,9 +22,6 @@ from llmpool.engine.server.async_engine import AsyncEngine
 from llmpool.protocol.errors import APIError, bad_request, parse_json_body
 from llmpool.protocol.http import read_body
 
-# What a request's `model` may name: a DNS-label-like word, so it fits a URL, a label value and
-# the operator's CRD alike.
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 # Codes of AdapterError that mean "the slot table cannot take this now", not "these files are bad".
 CONFLICT_CODES = frozenset({"adapter_exists", "lora_slots_full"})
 
@@ -48,9 +45,13 @@ class LoraRoutes:
         self.served_model_name = served_model_name
 
     def adapter_for(self, model: str) -> str | None:
-        """The adapter a request's ``model`` names, or None when it names none (any thread)."""
+        """The loaded adapter a request's ``model`` names, compared in the names' normal form,
+        by the name it was loaded under; None when it names none (any thread)."""
         lora = self.core.lora
-        return model if lora is not None and model in lora.registry else None
+        if lora is None:
+            return None
+        wanted = names.normalize(model)
+        return next((name for name in lora.registry if names.normalize(name) == wanted), None)
 
     def model_cards(self, created: int) -> list[dict[str, Any]]:
         lora = self.core.lora
@@ -110,17 +111,17 @@ class LoraRoutes:
                 code="lora_not_enabled",
             )
         name = _string(body, "lora_name")
-        if not ADAPTER_NAME.match(name):
-            raise bad_request(
-                f"lora_name {name!r} must match {ADAPTER_NAME.pattern}",
-                param="lora_name", code="invalid_lora_name",
-            )  # fmt: skip
-        if name == self.served_model_name:
+        error = names.name_error(name, "lora_name")
+        if error is not None:
+            raise bad_request(error, param="lora_name", code="invalid_lora_name")
+        if names.normalize(name) == names.normalize(self.served_model_name):
             raise bad_request(
                 f"lora_name {name!r} is the served model's name", param="lora_name",
                 code="invalid_lora_name",
             )  # fmt: skip
-        return name
+        # A loaded adapter's name in another case is that adapter: loading it again is a no-op
+        # or a conflict, unloading it unloads it.
+        return self.adapter_for(name) or name
 
 
 def _string(body: dict[str, Any], key: str) -> str:

@@ -1,4 +1,5 @@
-"""What pools may ask for: engine images and host paths the operator's administrator allows."""
+"""What pools may ask for: names in the grammar, engine images and host paths the operator's
+administrator allows."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from llmpool.operator.admission import (
     HOST_PATH_NOT_ALLOWED,
     IMAGE_NOT_ALLOWED,
+    INVALID_NAME,
     Policy,
     host_path_allowed,
     image_allowed,
@@ -133,3 +135,41 @@ def test_host_path_adapters_like_host_path_models(chat_spec):
     assert found is not None and "its folder / is mounted" in found.message
     found = refusal(with_adapter(chat_spec, "file:///models/../etc/sql"), policy)
     assert found is not None and found.reason == HOST_PATH_NOT_ALLOWED
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"servedName": "team-a/chat"}, "spec.model.servedName 'team-a/chat'"),
+        ({"servedName": "-chat"}, "spec.model.servedName '-chat'"),
+        ({"servedName": "x" * 129}, "spec.model.servedName has 129 characters"),
+        # No servedName: the source's last path segment, which must be a name too.
+        ({"source": "file:///models/m@2", "servedName": None}, "last path segment of spec.model"),
+    ],
+)
+def test_a_served_name_outside_the_grammar_is_refused(chat_spec, changes, field):
+    model = {**chat_spec["model"], **changes}
+    found = refusal(spec_with(chat_spec, model=model), Policy.default(CHART_IMAGE))
+    assert found is not None and found.reason == INVALID_NAME
+    assert field in found.message
+
+
+def test_adapter_names_outside_the_grammar_or_alike_once_normalised_are_refused(chat_spec):
+    def adapters(*adapter_names: str) -> PoolSpec:
+        listed = [
+            {"name": name, "source": f"/opt/adapters/{index}", "revision": "sha256:" + "2" * 64}
+            for index, name in enumerate(adapter_names)
+        ]
+        return spec_with(chat_spec, adapters=listed)
+
+    policy = Policy.default(CHART_IMAGE)
+    assert refusal(adapters("sql", "qwen2.5:7b-poet"), policy) is None
+    found = refusal(adapters("team-a/sql"), policy)
+    assert found is not None and found.reason == INVALID_NAME
+    assert "spec.adapters[team-a/sql].name 'team-a/sql' is not a valid name" in found.message
+    found = refusal(adapters("sql", "SQL"), policy)
+    assert found is not None and found.reason == INVALID_NAME
+    assert "spec.adapters[SQL].name 'SQL' is spec.adapters[sql].name's name" in found.message
+    served = chat_spec["model"].get("servedName") or "smollm2-135m-instruct"
+    found = refusal(adapters(served.upper()), policy)
+    assert found is not None and "is spec.model.servedName's name" in found.message

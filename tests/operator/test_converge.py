@@ -290,6 +290,17 @@ async def test_a_rejected_child_leaves_a_condition_naming_the_problem(api):
             {"model": {"source": "file:///etc/secrets", "revision": "sha256:" + "1" * 64}},
             "HostPathNotAllowed",
         ),
+        (
+            # Stored before the CRD refused it: the operator says the same.
+            {
+                "model": {
+                    "source": "builtin://smollm2-135m-instruct",
+                    "revision": "sha256:" + "1" * 64,
+                    "servedName": "team-a/chat",
+                }
+            },
+            "InvalidName",
+        ),
     ],
 )
 async def test_a_refused_pool_gets_a_condition_and_no_children(api, change, reason):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from llmpool import capacity, pinning
+from llmpool import capacity, names, pinning
 from llmpool.engine.spec_decode.config import (
     MAX_PROMPT_LOOKUP,
     MAX_SPECULATIVE_TOKENS,
@@ -339,8 +339,7 @@ def test_adapters_are_a_map_keyed_on_name(schema):
     ("field", "value", "valid"),
     [
         ("name", "sql-v2.1_a", True),
-        ("name", "A" * 63, True),
-        ("name", "A" * 64, False),
+        ("name", "qwen2.5:7b-sql", True),
         ("name", "-sql", False),
         ("name", "team/sql", False),
         ("revision", ADAPTER_REVISION, True),
@@ -358,6 +357,35 @@ def test_adapters_are_a_map_keyed_on_name(schema):
 def test_adapter_fields(schema, field, value, valid):
     pattern = schema.at("spec", "adapters", "[]", field)["pattern"]
     assert bool(re.search(pattern, value)) is valid
+
+
+@pytest.mark.parametrize("path", [("model", "servedName"), ("adapters", "[]", "name")])
+def test_names_follow_the_one_grammar(schema, path):
+    """servedName and adapter names: llmpool.names' pattern and length, said in the description."""
+    node = schema.at("spec", *path)
+    assert node["pattern"] == names.NAME_PATTERN
+    assert node["maxLength"] == names.NAME_MAX_LENGTH
+    assert "no '/'" in " ".join(node["description"].split())
+
+
+@pytest.mark.parametrize(
+    ("served_name", "valid"),
+    [
+        ("smollm2", True),
+        ("Llama-3.2-1B-Instruct", True),
+        ("qwen2.5:7b", True),
+        ("x" * names.NAME_MAX_LENGTH, True),
+        ("x" * (names.NAME_MAX_LENGTH + 1), False),
+        ("team-a/chat", False),
+        ("-chat", False),
+        ("ｃｈａｔ", False),
+    ],
+)
+def test_the_schema_refuses_served_names_outside_the_grammar(schema, chat_pool, served_name, valid):
+    model = {**chat_pool["spec"]["model"], "servedName": served_name}
+    pool = {**chat_pool, "spec": {**chat_pool["spec"], "model": model}}
+    assert (schema.errors(pool) == []) is valid
+    assert (names.name_error(served_name, "servedName") is None) is valid
 
 
 def test_status_adapters_match_the_operator(schema):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import kopf
 
-from llmpool.operator import handlers, indexes
+from llmpool.operator import handlers, indexes, served_names
 from llmpool.operator.handlers import replica_change
 
 
@@ -53,3 +53,16 @@ async def test_a_demand_record_wakes_its_pools_converge_with_the_pools_own_memo(
     handlers.forget(name="chat", namespace="team", memo=pool_memo)
     await handlers.demand_changed(namespace="team", labels=labels, memo=demand_memo, **INDEXES)
     assert len(runs) == 1
+
+
+def test_a_pool_claims_its_served_name_in_its_normal_form(chat_spec):
+    """`Chat` in team-a and `chat` in team-b are one name to the gateway: one key here, so the
+    conflict check sees both claims, each qualified by its namespace."""
+    spelled = {**chat_spec, "model": {**chat_spec["model"], "servedName": "SmolLM2"}}
+    claims: dict[str, list[tuple[str, str]]] = {}
+    for namespace, name, spec in (("team-a", "ours", chat_spec), ("team-b", "theirs", spelled)):
+        for key, claim in indexes.pools_by_served_name(namespace, name, spec).items():
+            claims.setdefault(key, []).append(claim)
+    assert claims == {"smollm2": [("team-a", "ours"), ("team-b", "theirs")]}
+    assert served_names.rivals(claims, "smollm2", "team-a") == ["team-b/theirs"]
+    assert served_names.rivals(claims, "SmolLM2", "team-b") == ["team-a/ours"]

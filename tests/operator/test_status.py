@@ -277,8 +277,13 @@ def test_no_ready_replica_means_drift_not_checked(make_pod, make_deployment):
 def test_a_served_name_claimed_in_another_namespace_is_a_conflict(make_pod, make_deployment):
     unique = status_of(observe(make_pod, make_deployment, [], served_name="smollm2"))
     assert condition(unique, "ServedNameConflict") == ("False", "Unique")
-    rivals = served_names.rivals([("team", "chat"), ("b", "x"), ("a", "y")], "team")
+    claims = {"smollm2": [("team", "chat"), ("b", "x"), ("a", "y")]}
+    rivals = served_names.rivals(claims, "smollm2", "team")
     assert rivals == ["a/y", "b/x"]
+    # Claims are keyed by the normal form: every spelling of the name finds them.
+    assert served_names.rivals(claims, "SmolLM2", "team") == rivals
+    assert served_names.rivals(claims, "ｓｍｏｌｌｍ2", "team") == rivals
+    assert served_names.rivals(claims, "smollm3", "team") == []
     observation = observe(
         make_pod, make_deployment, [], served_name="smollm2", served_name_rivals=rivals
     )

@@ -127,6 +127,31 @@ def test_each_adapter_answers_by_name_stream_and_not(
     assert chat.model == "alpha" and chat.usage.completion_tokens >= 1
 
 
+@pytest.mark.parametrize(
+    ("spelling", "name"),
+    [("ALPHA", "alpha"), ("ａｌｐｈａ", "alpha"), (MODEL.upper(), MODEL), ("Beta", "beta")],
+)
+def test_a_model_is_named_in_any_case_or_unicode_form(
+    client: openai.OpenAI, texts: dict[str, str], spelling: str, name: str
+) -> None:
+    """Names compare in their normal form (llmpool.names); the answer names the model as
+    loaded."""
+    result = client.completions.create(
+        model=spelling, prompt=PROMPT, max_tokens=TOKENS, temperature=0
+    )
+    assert result.model == name and result.choices[0].text == texts[name]
+
+
+def test_an_adapter_loaded_under_another_spelling_is_the_same_adapter(
+    server: Any, adapters: Adapters
+) -> None:
+    assert load(server, "ALPHA", adapters.path("alpha")).status_code == 200  # same files: no-op
+    assert [a["name"] for a in fingerprint(server)["adapters"]] == ["alpha", "beta"]
+    assert load(server, "Gamma", adapters.path("gamma")).status_code == 200
+    assert unload(server, "GAMMA").status_code == 200
+    assert [a["name"] for a in fingerprint(server)["adapters"]] == ["alpha", "beta"]
+
+
 def test_models_lists_adapters_under_the_served_model(
     client: openai.OpenAI, adapters: Adapters
 ) -> None:
@@ -218,7 +243,11 @@ def test_load_inplace_swaps_the_files_under_a_name(
         ("pinned", "gamma", {"revision": "sha256:" + "0" * 64}, 400, "revision_mismatch"),
         ("alpha", "gamma", {}, 409, "adapter_exists"),
         ("-dash", "gamma", {}, 400, "invalid_lora_name"),
+        ("team-a/sql", "gamma", {}, 400, "invalid_lora_name"),
+        ("x" * 129, "gamma", {}, 400, "invalid_lora_name"),
         (MODEL, "gamma", {}, 400, "invalid_lora_name"),
+        (MODEL.upper(), "gamma", {}, 400, "invalid_lora_name"),  # names compare in any case
+        ("ALPHA", "gamma", {}, 409, "adapter_exists"),  # alpha, with other files
     ],
 )
 def test_a_bad_load_is_refused_and_changes_nothing(
@@ -235,6 +264,8 @@ def test_a_bad_load_is_refused_and_changes_nothing(
     response = load(server, name, adapters.path(folder), **extra)
     assert response.status_code == status, response.text
     assert response.json()["error"]["code"] == code
+    if code == "invalid_lora_name":
+        assert response.json()["error"]["param"] == "lora_name"
     assert fingerprint(server)["adapters"] == before
     assert httpx.get(f"{server.url}/health").status_code == 200
     base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)

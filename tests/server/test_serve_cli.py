@@ -13,7 +13,14 @@ from transformers import AutoTokenizer
 
 from llmpool.engine import model_source
 from llmpool.engine.config import EngineConfig
-from llmpool.engine.server.cli import LoraModule, build_parser, engine_config, lora_modules
+from llmpool.engine.server.cli import (
+    EXIT_BAD_ARGUMENTS,
+    LoraModule,
+    build_parser,
+    engine_config,
+    lora_modules,
+    main,
+)
 from llmpool.engine.server.prompts import PromptBuilder
 from llmpool.protocol.errors import APIError
 
@@ -173,7 +180,8 @@ def test_lora_flags_reach_the_engine_config_and_modules_parse_as_vllm_writes_the
         (["--lora-modules", "a=/a"], "needs --enable-lora"),
         (["--enable-lora", "--lora-modules", "a"], "name=path"),
         (["--enable-lora", "--lora-modules", "=/a"], "name=path"),
-        (["--enable-lora", "--lora-modules", "a/b=/a"], "must match"),
+        (["--enable-lora", "--lora-modules", "a/b=/a"], "not a valid name"),
+        (["--enable-lora", "--lora-modules", "a=/a", "A=/b"], "twice"),
         (["--enable-lora", "--lora-modules", "a=/a", "a=/b"], "twice"),
         (["--enable-lora", "--lora-modules", '{"name": "a"}'], "a name and a path"),
         (["--enable-lora", "--lora-modules", '{"name": "a", "path": "/a", "rank": 4}'], "keys"),
@@ -183,3 +191,16 @@ def test_lora_flags_reach_the_engine_config_and_modules_parse_as_vllm_writes_the
 def test_bad_lora_modules_are_refused(flags: list[str], error: str) -> None:
     with pytest.raises(ValueError, match=error):
         lora_modules(build_parser().parse_args(flags))
+
+
+@pytest.mark.parametrize("name", ["team-a/chat", "-chat", "my model", "x" * 129])
+def test_a_served_model_name_outside_the_grammar_is_refused(name: str) -> None:
+    flag = f"--served-model-name={name}"
+    with pytest.raises(ValueError, match="--served-model-name"):
+        engine_config(build_parser().parse_args([flag]))
+    assert main([flag]) == EXIT_BAD_ARGUMENTS  # before loading anything
+
+
+def test_a_served_model_name_in_the_grammar_reaches_the_config() -> None:
+    config = engine_config(build_parser().parse_args(["--served-model-name", "qwen2.5:7b"]))
+    assert config.served_model_name == "qwen2.5:7b"
