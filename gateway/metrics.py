@@ -67,9 +67,21 @@ class GatewayMetrics:
         )
         self.tenant_tokens = series.counter(
             "tenant_estimated_tokens",
-            "Tokens counted against each tenant at admission: body bytes / 4 + choices ×"
-            " max_tokens.",
+            "Tokens reserved for each tenant at admission: body bytes / 4 + choices ×"
+            " the output-token limit.",
             ["tenant"],
+        )
+        self.tenant_counted_tokens = series.counter(
+            "tenant_counted_tokens",
+            "Tokens each tenant's budget was finally charged: the usage an engine returned, or"
+            " (without one) the prompt estimate for an engine's 4xx, 0 for the gateway's own"
+            " answers, the reservation otherwise.",
+            ["tenant"],
+        )
+        self.tenant_usage_tokens = series.counter(
+            "tenant_usage_tokens",
+            "Tokens the engines reported in each tenant's responses, by kind (prompt, completion).",
+            ["tenant", "kind"],
         )
         self.tenant_in_flight = series.gauge(
             "tenant_in_flight_requests",
