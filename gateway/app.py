@@ -76,6 +76,9 @@ class GatewaySettings:
     # table that silently stopped following the pools must not keep taking traffic. (Watches
     # end every 30 s and are re-listed on failure every 2 s; this is several of those.)
     max_table_age: float = 90.0
+    # Gateway replicas behind the Service: tenant limits are per replica, so the effective
+    # bound is this many times a limit (exported, not enforced).
+    replicas: int = 1
 
 
 def _in_turn(*actions: Callable[[], None]) -> Callable[[], None]:
@@ -506,6 +509,7 @@ class Gateway:
         return JSONResponse({"status": "ready", "pools": len(self.table.pools())})
 
     async def prometheus(self, request: Request) -> Response:
+        self.metrics.set_tenant_limits(self.keys.tenant_limits(), self.settings.replicas)
         return Response(
             self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )

@@ -124,6 +124,10 @@ class KeyRing:
             raise invalid_api_key()
         return tenant
 
+    def tenant_limits(self) -> list[tuple[str, TenantLimits]]:
+        """Each tenant's name and limits, once per distinct pair (its keys may share them)."""
+        return sorted({(t.name, t.limits) for t in self._keys.values()}, key=lambda p: p[0])
+
     # --- from the watched Secrets, on the event loop ------------------------------------------
 
     def set_secret(self, secret: Mapping[str, Any]) -> None:
