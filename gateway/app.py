@@ -33,7 +33,7 @@ from llmpool.gateway.request import (
     upstream_body,
 )
 from llmpool.gateway.tenants import KeyRing, Tenant
-from llmpool.gateway.usage import Usage
+from llmpool.gateway.usage import Usage, UsageReader
 from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
 from llmpool.protocol.errors import APIError, bad_request
 from llmpool.protocol.http import error_response, openai_endpoint
@@ -243,18 +243,21 @@ class Gateway:
 
     def _settler(
         self, tenant: Tenant, admission: Admission, facts: RequestFacts
-    ) -> Callable[[int, Usage | None], None]:
+    ) -> Callable[[int, UsageReader], None]:
         """Settles a relayed response's tokens: its usage when the engine reported one; the
         prompt estimate for an engine's refusal (4xx: nothing was generated); else (a failure,
-        a broken stream, a client gone before the usage came) the reservation stands."""
+        a broken stream, a client gone before the usage came) the reservation, or more when a
+        stream relayed more events than it reserved tokens for (each event past a chat
+        stream's opening role events carries at least one token)."""
 
-        def settle(status: int, usage: Usage | None) -> None:
-            if usage is not None:
-                self._settle(tenant, admission, usage.total_tokens, usage)
+        def settle(status: int, reader: UsageReader) -> None:
+            if reader.usage is not None:
+                self._settle(tenant, admission, reader.usage.total_tokens, reader.usage)
             elif 400 <= status < 500:
                 self._settle(tenant, admission, prompt_estimate(facts.body_bytes), None)
             else:
-                self._settle(tenant, admission, None, None)
+                relayed = prompt_estimate(facts.body_bytes) + reader.events - facts.choices
+                self._settle(tenant, admission, max(admission.reserved, relayed), None)
 
         return settle
 
@@ -289,7 +292,7 @@ class Gateway:
         raw: bytes,
         finish: Callable[[], None],
         disconnected: asyncio.Future[None],
-        settle: Callable[[int, Usage | None], None],
+        settle: Callable[[int, UsageReader], None],
     ) -> Response:
         """The response of a replica of ``pool`` (one with ``adapter``, if one is asked for),
         retried once on another; ``settle`` then ``finish`` run when a relayed response ends.

@@ -10,7 +10,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from llmpool.gateway.usage import Usage, usage_reader
+from llmpool.gateway.usage import UsageReader, usage_reader
 from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
 from llmpool.protocol.errors import APIError
 
@@ -71,8 +71,8 @@ class RelayResponse(Response):
     Each chunk is sent before the next is read, so a slow client slows the replica (backpressure).
     A client that goes away closes the upstream connection, which makes the engine abort. A
     replica that breaks mid-stream ends an event stream with an error event and ``[DONE]``.
-    The usage the replica reports is read on the way (``usage.py``) and given to ``on_usage``
-    when the response ends (None when none came: an error, a broken stream, a client gone).
+    The usage the replica reports is read on the way (``usage.py``); ``on_usage`` gets the
+    status and that reader when the response ends, however it ends.
     """
 
     def __init__(
@@ -80,7 +80,7 @@ class RelayResponse(Response):
         upstream: httpx.Response,
         on_done: Callable[[], None],
         on_broken: Callable[[str], None],
-        on_usage: Callable[[int, Usage | None], None],
+        on_usage: Callable[[int, UsageReader], None],
         forward_stream_usage: bool = True,
     ) -> None:
         # Response.__init__ would render a body; this response has none of its own.
@@ -112,7 +112,7 @@ class RelayResponse(Response):
                     await unless_gone(self._relay(send), gone)
         finally:
             await self.upstream.aclose()
-            self.on_usage(self.upstream.status_code, self.reader.usage)
+            self.on_usage(self.upstream.status_code, self.reader)
             self.on_done()
 
     async def _relay(self, send: Send) -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 USAGE_FIELD = b'"usage":'  # never inside a JSON string, where quotes are escaped
-EVENT_END = b"\n\n"
+EVENT_END = b"\n\n"  # never inside an event, where JSON escapes line breaks
+DONE_EVENT = b"data: [DONE]" + EVENT_END
 TAIL_BYTES = 4096  # far more than a usage object's JSON
 
 
@@ -47,6 +48,10 @@ class UsageReader(Protocol):
     def usage(self) -> Usage | None:
         """What the response reported, once read; None until then (or if it reported none)."""
 
+    @property
+    def events(self) -> int:
+        """Events passed on that may carry tokens (a stream's, but its usage and ``[DONE]``)."""
+
     def feed(self, chunk: bytes) -> bytes:
         """What of ``chunk`` goes on to the client (possibly held back until a later chunk)."""
 
@@ -62,6 +67,7 @@ class StreamUsage:
         self.forward = forward
         self._usage: Usage | None = None
         self._partial = b""  # an event not ended yet
+        self._events = 0
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._partial + chunk
@@ -70,6 +76,7 @@ class StreamUsage:
             self._partial = data
             return b""
         whole, self._partial = data[: end + len(EVENT_END)], data[end + len(EVENT_END) :]
+        self._events += whole.count(EVENT_END) - whole.count(DONE_EVENT)
         if USAGE_FIELD not in whole:
             return whole
         kept = [event for event in whole.split(EVENT_END)[:-1] if not self._is_usage(event)]
@@ -82,6 +89,10 @@ class StreamUsage:
     @property
     def usage(self) -> Usage | None:
         return self._usage
+
+    @property
+    def events(self) -> int:
+        return self._events - (self._usage is not None)
 
     def _is_usage(self, event: bytes) -> bool:
         """Records the usage of a usage event; True when the event is to be kept from the client."""
@@ -110,6 +121,8 @@ class BodyUsage:
 
     def flush(self) -> bytes:
         return b""
+
+    events = 0
 
     @property
     def usage(self) -> Usage | None:

@@ -318,6 +318,29 @@ def test_each_tenant_is_counted_the_usage_its_engine_returned(
 A_JSON = {"Authorization": "Bearer key-a", "Content-Type": "application/json"}
 
 
+def test_a_client_that_leaves_a_stream_is_counted_its_reservation(tenancy) -> None:
+    """No usage comes to a stream whose client left: what it reserved stands (every token its
+    max_tokens allowed), never less, so leaving early is no way around the budget."""
+    gateway = tenancy(TEAM_A)
+    counted = 'llmpool_gateway:tenant_counted_tokens_total{tenant="team-a"}'
+    estimated = 'llmpool_gateway:tenant_estimated_tokens_total{tenant="team-a"}'
+    in_flight = 'llmpool_gateway:tenant_in_flight_requests{tenant="team-a"}'
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with (
+        httpx.Client(base_url=gateway.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", content=compact(body), headers=A_JSON) as answer,
+    ):
+        events = answer.iter_lines()
+        assert next(line for line in events if line.startswith("data: {"))
+    _wait_until(lambda: gateway.metrics().get(in_flight) == 0)
+    metrics = gateway.metrics()
+    print(
+        f"left after the first event: counted {metrics[counted]:.0f}, reserved {metrics[estimated]:.0f}"
+    )
+    assert metrics[counted] == metrics[estimated] == -(-len(compact(body)) // 4) + 400
+
+
 def _counted(
     gateway: Any, http: httpx.Client, path: str, body: dict[str, Any]
 ) -> tuple[float, float, httpx.Response]:

@@ -94,6 +94,7 @@ def test_a_stream_s_usage_is_read_across_any_chunking_and_kept_from_a_client_who
     relayed += reader.flush()
     assert reader.usage == Usage(7, 3)
     assert relayed == (stream if forward else b"".join(EVENTS[:2] + EVENTS[3:]))
+    assert reader.events == 2  # what a stream cut before its usage is counted at least
 
 
 def test_a_json_body_s_usage_is_read_from_its_tail() -> None:
