@@ -16,7 +16,8 @@ Three modes:
   ``tenant``                    the tenant's name (metrics, limits); default the Secret's name
   ``max-concurrent``            requests in progress at once
   ``requests-per-minute``
-  ``tokens-per-minute``         tokens estimated at admission (``RequestFacts.cost``)
+  ``tokens-per-minute``         tokens reserved at admission (``RequestFacts.cost``), settled
+                                against the usage the engine returns
   ``max-held``                  requests waiting for a pool without a ready replica
 
   Keys of one tenant with the same limits share its counters. A Secret that cannot be read
