@@ -210,7 +210,8 @@ class Gateway:
                 admission.reserve(facts.cost)
                 releases.append(self._count_in(tenant, facts))
                 model = adapter or pool.served_name
-                if facts.model != model or facts.forces_usage:  # named as namespace/name
+                # A name qualified as namespace/name, or a stream to ask for its usage.
+                if facts.model != model or facts.forces_usage:
                     raw = await _off_loop_if_large(
                         raw, upstream_body, raw, model, facts.forces_usage
                     )
