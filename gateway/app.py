@@ -9,7 +9,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from starlette.applications import Starlette
@@ -21,18 +21,25 @@ from llmpool.fleet_key import FleetKey
 from llmpool.gateway import routing
 from llmpool.gateway.budget import RETRY_AFTER_SECONDS, RequestBudget, once, unavailable
 from llmpool.gateway.demand import DemandReporter, DemandWriter
-from llmpool.gateway.limits import TenantLimiter
+from llmpool.gateway.limits import Admission, TenantLimiter
 from llmpool.gateway.load import LoadTracker, scrape_forever
 from llmpool.gateway.metrics import GatewayMetrics
 from llmpool.gateway.pools import Pool, PoolTable, Replica
 from llmpool.gateway.proxy import RelayResponse, UpstreamFailed, open_response
-from llmpool.gateway.request import RequestFacts, read_facts, with_model
+from llmpool.gateway.request import (
+    RequestFacts,
+    prompt_estimate,
+    read_facts,
+    upstream_body,
+)
 from llmpool.gateway.tenants import KeyRing, Tenant
+from llmpool.gateway.usage import Usage, UsageReader
 from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
 from llmpool.protocol.errors import APIError, bad_request
 from llmpool.protocol.http import error_response, openai_endpoint
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Probe an idle upstream connection after 30 s, every 10 s, and give up after 3 misses: a
 # replica gone without a FIN or RST fails its streams within about a minute. (Linux names;
@@ -45,6 +52,9 @@ KEEPALIVE = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)] + [
 
 
 MIB = 1024 * 1024
+# Bodies above this size are parsed (and rewritten) in a worker thread: a few 14 MB bodies
+# parsed on the event loop would hold it for seconds, past the liveness probe's timeout.
+PARSE_OFF_LOOP_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,9 @@ class GatewaySettings:
     # table that silently stopped following the pools must not keep taking traffic. (Watches
     # end every 30 s and are re-listed on failure every 2 s; this is several of those.)
     max_table_age: float = 90.0
+    # Gateway replicas behind the Service: tenant limits are per replica, so the effective
+    # bound is this many times a limit (exported, not enforced).
+    replicas: int = 1
 
 
 def _in_turn(*actions: Callable[[], None]) -> Callable[[], None]:
@@ -167,8 +180,10 @@ class Gateway:
         return await self._route(request, tenant, "/v1/chat/completions")
 
     async def _route(self, request: Request, tenant: Tenant, path: str) -> Response:
-        """Admit (gateway bounds, then the tenant's limits), route and relay. What was counted
-        in is counted out when the relayed response ends, or at once on any other answer."""
+        """Admit (gateway bounds and the tenant's limits before the body is read, then the
+        tenant's token reservation), route and relay. What was counted in is counted out when
+        the relayed response ends (its tokens settled against its usage), or at once on any
+        other answer."""
         releases = [self.budget.admit()]
 
         @once
@@ -176,36 +191,89 @@ class Gateway:
             for release in releases:
                 release()
 
+        admission: Admission | None = None
         try:
+            declared = request.headers.get("content-length", "")
+            admission = self.limiter.admit(
+                tenant.name,
+                tenant.limits,
+                prompt_estimate(int(declared)) if declared.isdigit() else 0,
+            )
+            releases.append(admission.release)
             raw, release_body = await self.budget.read_body(request)
             try:
-                facts = read_facts(raw, path, self.settings.prefix_chars)
+                facts = await _off_loop_if_large(raw, read_facts, raw, path,
+                                                 self.settings.prefix_chars)  # fmt: skip
                 pool, adapter = self._pool_for(
                     facts, tenant, request.headers.get("x-llmpool-priority")
                 )
-                releases.append(self.limiter.admit(tenant.name, tenant.limits, facts.cost))
+                admission.reserve(facts.cost)
                 releases.append(self._count_in(tenant, facts))
                 model = adapter or pool.served_name
-                if facts.model != model:  # named as namespace/name
-                    raw = with_model(raw, model)
+                # A name qualified as namespace/name, or a stream to ask for its usage.
+                if facts.model != model or facts.forces_usage:
+                    raw = await _off_loop_if_large(
+                        raw, upstream_body, raw, model, facts.forces_usage
+                    )
                 # One watcher of the client for the whole wait: a held request whose client
                 # left is dropped at once, and stops counting as demand.
                 async with disconnect_watcher(request.receive) as disconnected:
                     response = await self._forward(
-                        request, tenant, pool, adapter, facts, path, raw, finish, disconnected
-                    )
+                        request, tenant, pool, adapter, facts, path, raw, finish, disconnected,
+                        self._settler(tenant, admission, facts),
+                    )  # fmt: skip
             finally:
                 del raw  # the body's last reference here: once the upstream has it, it is gone
                 release_body()
         except ClientGone:
+            self._settle(tenant, admission, None, None)  # the engine may have generated it all
             finish()
             return Response(status_code=499)  # nobody reads this
+        except APIError:
+            self._settle(tenant, admission, 0, None)  # answered here: no engine ran it
+            finish()
+            raise
         except BaseException:
+            self._settle(tenant, admission, None, None)
             finish()
             raise
         if not isinstance(response, RelayResponse):
+            self._settle(tenant, admission, 0, None)  # no replica could take it
             finish()
         return response
+
+    def _settler(
+        self, tenant: Tenant, admission: Admission, facts: RequestFacts
+    ) -> Callable[[int, UsageReader], None]:
+        """Settles a relayed response's tokens: its usage when the engine reported one; the
+        prompt estimate for an engine's refusal (4xx: nothing was generated); else (a failure,
+        a broken stream, a client gone before the usage came) the reservation, or more when a
+        stream relayed more events than it reserved tokens for (each event past a chat
+        stream's opening role events carries at least one token)."""
+
+        def settle(status: int, reader: UsageReader) -> None:
+            if reader.usage is not None:
+                self._settle(tenant, admission, reader.usage.total_tokens, reader.usage)
+            elif 400 <= status < 500:
+                self._settle(tenant, admission, prompt_estimate(facts.body_bytes), None)
+            else:
+                relayed = prompt_estimate(facts.body_bytes) + reader.events - facts.choices
+                self._settle(tenant, admission, max(admission.reserved, relayed), None)
+
+        return settle
+
+    def _settle(
+        self, tenant: Tenant, admission: Admission | None, tokens: int | None, usage: Usage | None
+    ) -> None:
+        """Count ``tokens`` for the request (None: its reservation) and the usage reported."""
+        if admission is None or admission.settled is not None:
+            return
+        admission.settle(admission.reserved if tokens is None else tokens)
+        self.metrics.tenant_counted_tokens.labels(tenant=tenant.name).inc(admission.settled or 0)
+        if usage is not None:
+            for kind, count in (("prompt", usage.prompt_tokens),
+                                ("completion", usage.completion_tokens)):  # fmt: skip
+                self.metrics.tenant_usage_tokens.labels(tenant=tenant.name, kind=kind).inc(count)
 
     def _count_in(self, tenant: Tenant, facts: RequestFacts) -> Callable[[], None]:
         self.metrics.tenant_requests.labels(tenant=tenant.name, outcome="admitted").inc()
@@ -225,10 +293,11 @@ class Gateway:
         raw: bytes,
         finish: Callable[[], None],
         disconnected: asyncio.Future[None],
+        settle: Callable[[int, UsageReader], None],
     ) -> Response:
         """The response of a replica of ``pool`` (one with ``adapter``, if one is asked for),
-        retried once on another; ``finish`` runs when a relayed response ends. Raises ClientGone
-        when the client leaves first (``disconnected``)."""
+        retried once on another; ``settle`` then ``finish`` run when a relayed response ends.
+        Raises ClientGone when the client leaves first (``disconnected``)."""
         # One hold budget for both attempts: a request refused by the only replica (it drains)
         # waits for the replica replacing it rather than failing.
         deadline = time.monotonic() + self.settings.hold_timeout
@@ -265,7 +334,10 @@ class Gateway:
             except BaseException:
                 done()
                 raise
-            return RelayResponse(upstream, _in_turn(done, finish), broken)
+            return RelayResponse(
+                upstream, _in_turn(done, finish), broken, settle,
+                forward_stream_usage=not facts.forces_usage,
+            )  # fmt: skip
         assert failure is not None
         return self._failed(failure)
 
@@ -441,9 +513,18 @@ class Gateway:
         return JSONResponse({"status": "ready", "pools": len(self.table.pools())})
 
     async def prometheus(self, request: Request) -> Response:
+        self.metrics.set_tenant_limits(self.keys.tenant_limits(), self.settings.replicas)
         return Response(
             self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
+
+
+async def _off_loop_if_large(raw: bytes, work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` on the event loop for a small ``raw`` body, in a worker thread for a
+    large one (PARSE_OFF_LOOP_BYTES)."""
+    if len(raw) <= PARSE_OFF_LOOP_BYTES:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
 
 
 def build_app(

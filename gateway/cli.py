@@ -30,6 +30,7 @@ _TUNING: tuple[tuple[str, type, float, str], ...] = (
     ("--hold-timeout", float, GatewaySettings.hold_timeout, "seconds a request waits for a pool without ready replicas before a 503"),
     ("--max-held", int, GatewaySettings.max_held, "requests held per pool at most while it has no ready replica; beyond, a 503"),
     ("--scrape-interval", float, GatewaySettings.scrape_interval, "seconds between scrapes of each replica's /metrics and /fingerprint"),
+    ("--replicas", int, GatewaySettings.replicas, "gateway replicas behind the Service (the chart sets it): tenant limits hold per replica, so this many times a limit is exported as its effective bound"),
     ("--max-table-age", float, GatewaySettings.max_table_age, "seconds without word from the API server after which /ready is 503 (the routing table may no longer follow the pools)"),
 )  # fmt: skip
 
@@ -81,6 +82,8 @@ def settings_from(args: argparse.Namespace) -> GatewaySettings:
         raise ValueError("--hold-timeout and --max-held must be >= 0 and --scrape-interval > 0")
     if args.max_table_age <= 0:
         raise ValueError(f"--max-table-age must be positive, got {args.max_table_age}")
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.max_requests < 1:
         raise ValueError(f"--max-requests must be at least 1, got {args.max_requests}")
     if args.max_buffered_body_mib * MIB < MAX_BODY_BYTES:
@@ -99,6 +102,7 @@ def settings_from(args: argparse.Namespace) -> GatewaySettings:
         max_held=args.max_held,
         scrape_interval=args.scrape_interval,
         max_table_age=args.max_table_age,
+        replicas=args.replicas,
     )
 
 

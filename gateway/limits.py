@@ -1,8 +1,13 @@
 """Per-tenant limits: token buckets for requests and tokens per minute, counters for the rest.
 
+A request is admitted in two steps: before its body is read (concurrency, requests per minute,
+and room for the prompt its Content-Length declares), then with its full estimate reserved
+once the body is read; the reservation is settled against the usage the engine returns.
+
 A tenant's counters are shared by all its keys and live as long as the gateway process: each
 gateway replica enforces them on its own (no shared state), so with N replicas behind the
-Service a tenant gets up to N times its limits in the worst case.
+Service a tenant gets up to N times its limits in the worst case (``tenant_limit`` and
+``gateway_replicas`` in the metrics give the effective bound).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ class TenantLimits:
 
     max_concurrent: int | None = None  # requests admitted and not yet answered to the end
     requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None  # estimated at admission (``RequestFacts.cost``)
+    # reserved at admission (``RequestFacts.cost``), settled against the usage returned
+    tokens_per_minute: int | None = None
     max_held: int | None = None  # requests waiting for a pool without a ready replica
 
 
@@ -48,8 +54,10 @@ class TokenBucket:
         return 0.0 if missing <= 0 else missing * 60 / self.per_minute
 
     def take(self, amount: int) -> None:
+        """Take ``amount`` (a negative one gives back, up to a full bucket); the level may go
+        below zero when usage settles above its reservation: later requests then wait."""
         self._refill()
-        self.level -= amount
+        self.level = min(self.per_minute, self.level - amount)
 
 
 def rate_limited(message: str, kind: str, retry_after: float) -> APIError:
@@ -60,12 +68,58 @@ def rate_limited(message: str, kind: str, retry_after: float) -> APIError:
     )  # fmt: skip
 
 
+def _check_room(tenant: str, bucket: TokenBucket | None, amount: int, kind: str) -> None:
+    if bucket is None:
+        return
+    if amount > bucket.per_minute:
+        raise rate_limited(
+            f"the request may use {amount:,} {kind} (estimated); tenant {tenant} has"
+            f" {bucket.per_minute:,} {kind} per minute",
+            kind, 60,
+        )  # fmt: skip
+    if (wait := bucket.seconds_until(amount)) > 0:
+        raise rate_limited(
+            f"tenant {tenant} is over its limit of {bucket.per_minute:,} {kind} per minute",
+            kind, wait,
+        )  # fmt: skip
+
+
 @dataclass
 class _Usage:
     requests: TokenBucket | None
     tokens: TokenBucket | None
     in_flight: int = 0
     held: int = 0
+
+
+class Admission:
+    """One admitted request: its token reservation, settled once, and its concurrency slot,
+    released once (both safe to call more than once)."""
+
+    def __init__(self, tenant: str, usage: _Usage) -> None:
+        self.tenant = tenant
+        self._usage = usage
+        self.reserved = 0
+        self.settled: int | None = None  # tokens finally counted; None: not settled yet
+        self.release = once(self._release)
+
+    def reserve(self, tokens: int) -> None:
+        """Reserve the request's full estimate, or raise a 429 (``tokens`` per minute)."""
+        _check_room(self.tenant, self._usage.tokens, tokens, "tokens")
+        if self._usage.tokens is not None:
+            self._usage.tokens.take(tokens)
+        self.reserved = tokens
+
+    def settle(self, tokens: int) -> None:
+        """Count ``tokens`` instead of the reservation: the difference is given back, or taken."""
+        if self.settled is not None:
+            return
+        self.settled = tokens
+        if self._usage.tokens is not None:
+            self._usage.tokens.take(tokens - self.reserved)
+
+    def _release(self) -> None:
+        self._usage.in_flight -= 1
 
 
 class TenantLimiter:
@@ -91,39 +145,21 @@ class TenantLimiter:
     def _bucket(self, per_minute: int | None) -> TokenBucket | None:
         return None if per_minute is None else TokenBucket(per_minute, self.clock)
 
-    def admit(self, tenant: str, limits: TenantLimits, tokens: int) -> Callable[[], None]:
-        """Count one request of ``tokens`` (estimated) in, or raise a 429; returns its release,
-        which may be called more than once."""
+    def admit(self, tenant: str, limits: TenantLimits, prompt_tokens: int) -> Admission:
+        """Count one request in before its body is read, or raise a 429: its concurrency and
+        its request, and room for ``prompt_tokens`` (estimated from its Content-Length)."""
         usage = self._usage_of(tenant, limits)
         if limits.max_concurrent is not None and usage.in_flight >= limits.max_concurrent:
             raise rate_limited(
                 f"tenant {tenant} already has {usage.in_flight} requests in progress, its limit",
                 "concurrent_requests", 1,
             )  # fmt: skip
-        if usage.tokens is not None and tokens > usage.tokens.per_minute:
-            raise rate_limited(
-                f"the request may use {tokens:,} tokens (estimated); tenant {tenant} has"
-                f" {usage.tokens.per_minute:,} tokens per minute",
-                "tokens", 60,
-            )  # fmt: skip
-        for bucket, amount, kind in (
-            (usage.requests, 1, "requests"),
-            (usage.tokens, tokens, "tokens"),
-        ):
-            if bucket is not None and (wait := bucket.seconds_until(amount)) > 0:
-                raise rate_limited(
-                    f"tenant {tenant} is over its limit of {bucket.per_minute:,} {kind} per minute",
-                    kind, wait,
-                )  # fmt: skip
-        for bucket, amount in ((usage.requests, 1), (usage.tokens, tokens)):
-            if bucket is not None:
-                bucket.take(amount)
+        _check_room(tenant, usage.requests, 1, "requests")
+        _check_room(tenant, usage.tokens, prompt_tokens, "tokens")
+        if usage.requests is not None:
+            usage.requests.take(1)
         usage.in_flight += 1
-
-        def release() -> None:
-            usage.in_flight -= 1
-
-        return once(release)
+        return Admission(tenant, usage)
 
     @contextmanager
     def held(self, tenant: str, limits: TenantLimits) -> Iterator[None]:

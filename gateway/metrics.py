@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import asdict
+
+from llmpool.gateway.limits import TenantLimits
 from llmpool.prometheus import Series
 
 # Routing is a hash and a few comparisons; anything near a millisecond is worth seeing.
@@ -67,20 +71,61 @@ class GatewayMetrics:
         )
         self.tenant_tokens = series.counter(
             "tenant_estimated_tokens",
-            "Tokens counted against each tenant at admission: body bytes / 4 + choices ×"
-            " max_tokens.",
+            "Tokens reserved for each tenant at admission: body bytes / 4 + choices ×"
+            " the output-token limit.",
             ["tenant"],
+        )
+        self.tenant_counted_tokens = series.counter(
+            "tenant_counted_tokens",
+            "Tokens each tenant's budget was finally charged: the usage an engine returned, or"
+            " (without one) the prompt estimate for an engine's 4xx, 0 for the gateway's own"
+            " answers, the reservation otherwise.",
+            ["tenant"],
+        )
+        self.tenant_usage_tokens = series.counter(
+            "tenant_usage_tokens",
+            "Tokens the engines reported in each tenant's responses, by kind (prompt, completion).",
+            ["tenant", "kind"],
         )
         self.tenant_in_flight = series.gauge(
             "tenant_in_flight_requests",
             "Each tenant's admitted requests not yet answered to the end.",
             ["tenant"],
         )
+        self.replicas = series.gauge(
+            "replicas",
+            "Gateway replicas behind the Service (--replicas, the chart's gateway.replicas): each"
+            " enforces every tenant limit on its own.",
+        )
+        self.tenant_limit = series.gauge(
+            "tenant_limit",
+            "Each tenant's limits as one replica enforces them, by limit (max_concurrent,"
+            " requests_per_minute, tokens_per_minute, max_held).",
+            ["tenant", "limit"],
+        )
+        self.tenant_effective_limit = series.gauge(
+            "tenant_effective_limit",
+            "The most a tenant can get through all replicas: tenant_limit × replicas.",
+            ["tenant", "limit"],
+        )
         self.tenant_held = series.gauge(
             "tenant_held_requests",
             "Each tenant's requests waiting for a pool to have a ready replica.",
             ["tenant"],
         )
+
+    def set_tenant_limits(self, tenants: Iterable[tuple[str, TenantLimits]], replicas: int) -> None:
+        """The limits of the tenants known now (those of removed keys are dropped)."""
+        self.replicas.set(replicas)
+        for gauge in (self.tenant_limit, self.tenant_effective_limit):
+            gauge.clear()
+        for tenant, limits in tenants:
+            for limit, value in asdict(limits).items():
+                if value is not None:
+                    self.tenant_limit.labels(tenant=tenant, limit=limit).set(value)
+                    self.tenant_effective_limit.labels(tenant=tenant, limit=limit).set(
+                        value * replicas
+                    )
 
     def render(self) -> bytes:
         return self.series.render()

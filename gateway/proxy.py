@@ -10,6 +10,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from llmpool.gateway.usage import UsageReader, usage_reader
 from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
 from llmpool.protocol.errors import APIError
 
@@ -70,6 +71,8 @@ class RelayResponse(Response):
     Each chunk is sent before the next is read, so a slow client slows the replica (backpressure).
     A client that goes away closes the upstream connection, which makes the engine abort. A
     replica that breaks mid-stream ends an event stream with an error event and ``[DONE]``.
+    The usage the replica reports is read on the way (``usage.py``); ``on_usage`` gets the
+    status and that reader when the response ends, however it ends.
     """
 
     def __init__(
@@ -77,6 +80,8 @@ class RelayResponse(Response):
         upstream: httpx.Response,
         on_done: Callable[[], None],
         on_broken: Callable[[str], None],
+        on_usage: Callable[[int, UsageReader], None],
+        forward_stream_usage: bool = True,
     ) -> None:
         # Response.__init__ would render a body; this response has none of its own.
         self.status_code = upstream.status_code
@@ -84,6 +89,8 @@ class RelayResponse(Response):
         self.upstream = upstream
         self.on_done = on_done
         self.on_broken = on_broken
+        self.on_usage = on_usage
+        self.reader = usage_reader(upstream.headers.get("content-type", ""), forward_stream_usage)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [
@@ -105,12 +112,16 @@ class RelayResponse(Response):
                     await unless_gone(self._relay(send), gone)
         finally:
             await self.upstream.aclose()
+            self.on_usage(self.upstream.status_code, self.reader)
             self.on_done()
 
     async def _relay(self, send: Send) -> None:
         try:
             async for chunk in self.upstream.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if relayed := self.reader.feed(chunk):
+                    await send({"type": "http.response.body", "body": relayed, "more_body": True})
+            if held_back := self.reader.flush():
+                await send({"type": "http.response.body", "body": held_back, "more_body": True})
         except httpx.TransportError as error:
             self.on_broken(f"{type(error).__name__}: {error}")
             if self.upstream.headers.get("content-type", "").startswith("text/event-stream"):

@@ -13,13 +13,20 @@ from typing import Any
 
 from llmpool.gateway import routing
 from llmpool.protocol.errors import bad_request, parse_json_body
+from llmpool.protocol.requests import output_limit
 
 # A body's tokens are estimated from its size: about four bytes of JSON text per token of
 # prompt (an over-estimate for anything but plain English, which is the safe side).
 BYTES_PER_TOKEN = 4
-# When a body does not say max_tokens: the engine's own default for completions, and for chat
-# (which runs until EOS or the context is full) a budget of this many tokens.
-UNSAID_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 1024}
+# Reserved per choice for a chat request that sets no limit (the engine then runs until EOS or
+# the context is full, which the gateway does not know): settled against the usage returned.
+UNSAID_CHAT_MAX_TOKENS = 1024
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def prompt_estimate(body_bytes: int) -> int:
+    """The prompt tokens a body of ``body_bytes`` is counted for before its usage is known."""
+    return math.ceil(body_bytes / BYTES_PER_TOKEN)
 
 
 @dataclass(frozen=True)
@@ -28,14 +35,17 @@ class RequestFacts:
     priority: Any  # the body's priority field, as given (routing.requested_class reads it)
     prefix_key: bytes  # routing.prefix_key of the raw prompt
     choices: int  # n, times the prompts of a batch completion
-    max_tokens: int  # as asked, or UNSAID_MAX_TOKENS for the path
+    max_tokens: int  # per choice: the engine's own limit (output_limit), or the chat reservation
     body_bytes: int
+    # A stream the client did not ask usage of: asked upstream, and the usage chunk kept from
+    # the client. (A stream_options the engine would refuse is left for it to refuse.)
+    forces_usage: bool = False
 
     @property
     def cost(self) -> int:
-        """Tokens counted against a tenant's tokens per minute, at admission: the prompt
+        """Tokens reserved against a tenant's tokens per minute at admission: the prompt
         estimated from the body's size plus every token every choice may generate."""
-        return math.ceil(self.body_bytes / BYTES_PER_TOKEN) + self.choices * self.max_tokens
+        return prompt_estimate(self.body_bytes) + self.choices * self.max_tokens
 
 
 def read_facts(raw: bytes, path: str, prefix_chars: int) -> RequestFacts:
@@ -46,25 +56,30 @@ def read_facts(raw: bytes, path: str, prefix_chars: int) -> RequestFacts:
     n = _count("n", body.get("n"), 1)
     prompts = body.get("prompt")
     batch = len(prompts) if isinstance(prompts, list) and _is_batch(prompts) else 1
-    asked = (
-        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = output_limit(body, ROUTES[path])
+    options = body.get("stream_options")
+    asked_no_usage = options is None or (
+        isinstance(options, dict) and options.get("include_usage") in (None, False)
     )
-    max_tokens = _count(asked, body.get(asked), UNSAID_MAX_TOKENS[path])
     return RequestFacts(
         model=model,
         priority=body.get("priority"),
         prefix_key=routing.prefix_key(routing.prompt_text(body), prefix_chars),
         choices=n * batch,
-        max_tokens=max_tokens,
+        max_tokens=limit.max_tokens or limit.default or UNSAID_CHAT_MAX_TOKENS,
         body_bytes=len(raw),
+        forces_usage=body.get("stream") is True and asked_no_usage,
     )
 
 
-def with_model(raw: bytes, model: str) -> bytes:
-    """The body with ``model`` as its model: an engine knows its served name, not the
-    ``namespace/servedName`` a caller may qualify it with."""
+def upstream_body(raw: bytes, model: str, force_usage: bool) -> bytes:
+    """The body with ``model`` as its model (an engine knows its served name, not the
+    ``namespace/servedName`` a caller may qualify it with) and, with ``force_usage``, its stream
+    asked for the usage chunk that settles the tenant's tokens."""
     body = parse_json_body(raw)
     body["model"] = model
+    if force_usage:
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 

@@ -16,7 +16,8 @@ Three modes:
   ``tenant``                    the tenant's name (metrics, limits); default the Secret's name
   ``max-concurrent``            requests in progress at once
   ``requests-per-minute``
-  ``tokens-per-minute``         tokens estimated at admission (``RequestFacts.cost``)
+  ``tokens-per-minute``         tokens reserved at admission (``RequestFacts.cost``), settled
+                                against the usage the engine returns
   ``max-held``                  requests waiting for a pool without a ready replica
 
   Keys of one tenant with the same limits share its counters. A Secret that cannot be read
@@ -123,6 +124,10 @@ class KeyRing:
         if tenant is None:
             raise invalid_api_key()
         return tenant
+
+    def tenant_limits(self) -> list[tuple[str, TenantLimits]]:
+        """Each tenant's name and limits, once per distinct pair (its keys may share them)."""
+        return sorted({(t.name, t.limits) for t in self._keys.values()}, key=lambda p: p[0])
 
     # --- from the watched Secrets, on the event loop ------------------------------------------
 

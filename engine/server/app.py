@@ -376,7 +376,7 @@ class OpenAIServer:
             f"this model's maximum context length is {self.core.max_model_len:,} tokens; the prompt"
             f" has {num_prompt_tokens:,} tokens and {parsed.max_tokens:,} were requested for the"
             " completion",
-            param="max_tokens",
+            param=parsed.max_tokens_param,
             code="context_length_exceeded",
         )
 

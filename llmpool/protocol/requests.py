@@ -38,13 +38,17 @@ COMMON_FIELDS = (
     "model", "n", "best_of", "stream", "stream_options", "stop", "stop_token_ids", "temperature",
     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "seed", "min_tokens", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-    "logit_bias", "cache_salt", "priority", "max_tokens", "logprobs", "response_format",
-    "structured_outputs", *UNSUPPORTED_FIELDS, *COMPLETION_ONLY_UNSUPPORTED,
+    "logit_bias", "cache_salt", "priority", "max_tokens", "max_completion_tokens", "logprobs",
+    "response_format", "structured_outputs", *UNSUPPORTED_FIELDS, *COMPLETION_ONLY_UNSUPPORTED,
 )  # fmt: skip
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt")
-CHAT_FIELDS = (
-    *COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-)  # fmt: skip
+CHAT_FIELDS = (*COMMON_FIELDS, "messages", "top_logprobs", "add_generation_prompt")
+# The output-token limit's two names, each route's own first (``output_limit``).
+MAX_TOKENS_FIELDS = {
+    "completions": ("max_tokens", "max_completion_tokens"),
+    "chat": ("max_completion_tokens", "max_tokens"),
+}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default on /v1/completions
 
 
 def _check_shape(body: dict[str, Any], known: tuple[str, ...]) -> None:
@@ -193,23 +197,56 @@ class ChatRequest(GenerationRequest):
     add_generation_prompt: bool = True
 
 
-def _common(
-    fields: _Fields, default_max_tokens: int | None, max_tokens_names: tuple[str, ...]
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class OutputLimit:
+    """How many tokens each choice of a request may generate, as the request says."""
+
+    max_tokens: int | None  # as asked; None: neither field given
+    param: str  # the field it came from; the route's own name for it when neither is given
+    default: int | None  # applies when not given; None: until EOS or the context is full
+
+
+def output_limit(body: dict[str, Any], route: str) -> OutputLimit:
+    """The output-token limit of a ``route`` ("completions" or "chat") request: the one rule
+    that the engine generates by and the gateway counts by, so that the two always agree.
+
+    Both routes read both fields, OpenAI's way: chat's own name is ``max_completion_tokens``
+    (``max_tokens`` its deprecated alias), completions' is ``max_tokens``. Given both, they
+    must be equal: two different limits in one request is a 400 naming the alias, as no reading
+    of it would be the client's for sure. Neither given: 16 on completions (OpenAI's default),
+    none on chat (until EOS or the end of the context).
+    """
+    fields = _Fields(body)
+    given: dict[str, int] = {}
+    for name in MAX_TOKENS_FIELDS[route]:
+        value = fields.integer(name, None)
+        if value is None:
+            continue
+        if value < 1:
+            raise bad_request(f"{name} must be at least 1, got {value}", param=name)
+        given[name] = value
+    own, alias = MAX_TOKENS_FIELDS[route]
+    default = COMPLETIONS_DEFAULT_MAX_TOKENS if route == "completions" else None
+    if not given:
+        return OutputLimit(None, own, default)
+    if len(set(given.values())) > 1:
+        raise bad_request(
+            f"{own} ({given[own]:,}) and {alias} ({given[alias]:,}) are two names for one limit"
+            f" and differ; send {own} alone",
+            param=alias,
+        )
+    name = own if own in given else alias
+    return OutputLimit(given[name], name, default)
+
+
+def _common(fields: _Fields, route: str) -> dict[str, Any]:
     n: int = fields.get("n", (int,), 1)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", param="n")
     best_of = fields.integer("best_of", None)
     if best_of is not None and best_of != n:
         raise bad_request("best_of is not supported by this server (only equal to n)", "best_of")
-    max_tokens, max_tokens_param = None, max_tokens_names[0]
-    for name in max_tokens_names:
-        value = fields.integer(name, None)
-        if value is not None:
-            if value < 1:
-                raise bad_request(f"{name} must be at least 1, got {value}", param=name)
-            max_tokens, max_tokens_param = value, name
-            break
+    limit = output_limit(fields.body, route)
     stream_options = fields.get("stream_options", (dict,), {})
     include_usage = stream_options.get("include_usage", False)
     if not isinstance(include_usage, bool):
@@ -244,9 +281,9 @@ def _common(
         "n": n,
         "stream": fields.get("stream", (bool,), False),
         "include_usage": include_usage,
-        "max_tokens": max_tokens,
-        "max_tokens_param": max_tokens_param,
-        "default_max_tokens": default_max_tokens,
+        "max_tokens": limit.max_tokens,
+        "max_tokens_param": limit.param,
+        "default_max_tokens": limit.default,
         "sampling": sampling,
     }
 
@@ -323,7 +360,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     _refuse_unsupported(body, UNSUPPORTED_FIELDS + COMPLETION_ONLY_UNSUPPORTED)
     fields = _Fields(body)
     return CompletionRequest(
-        **_common(fields, 16, ("max_tokens",)),
+        **_common(fields, "completions"),
         logprobs=_logprobs_count(fields.integer("logprobs", None), "logprobs"),
         prompts=_parse_prompts(body.get("prompt")),
     )
@@ -370,7 +407,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     if top_logprobs is not None and not wants_logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     return ChatRequest(
-        **_common(fields, None, ("max_completion_tokens", "max_tokens")),
+        **_common(fields, "chat"),
         logprobs=(top_logprobs or 0) if wants_logprobs else None,
         messages=_parse_messages(body.get("messages")),
         add_generation_prompt=fields.get("add_generation_prompt", (bool,), True),

@@ -39,7 +39,7 @@ EXPECTED_RULES = [
 ]
 DEFAULT_ARGS = [
     "gateway", "--port=8080", "--hold-timeout=120", "--max-held=256", "--max-requests=1024",
-    "--max-buffered-body-mib=128",
+    "--max-buffered-body-mib=128", "--replicas=2",
 ]  # fmt: skip
 FLEET_KEY_DIR = "/var/run/secrets/llmpool/fleet-key"
 
@@ -225,10 +225,11 @@ def test_tenancy_reads_key_secrets_of_the_release_namespace_only() -> None:
 
 def test_bounds_follow_the_values() -> None:
     (deployment,) = gateway_objects(
-        gateway={"enabled": True, "maxRequests": 64, "maxBufferedBodyMiB": 32}
+        gateway={"enabled": True, "maxRequests": 64, "maxBufferedBodyMiB": 32, "replicas": 3}
     )["Deployment"]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--max-requests=64" in args and "--max-buffered-body-mib=32" in args
+    assert "--replicas=3" in args  # tenant limits are per replica: the effective bound's factor
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ def test_defaults_and_the_api_key_from_the_environment(monkeypatch: pytest.Monke
         (["--scrape-interval", "0"], "--scrape-interval"),
         (["--max-table-age", "0"], "--max-table-age"),
         (["--max-requests", "0"], "--max-requests"),
+        (["--replicas", "0"], "--replicas"),
         (["--max-buffered-body-mib", "8"], "--max-buffered-body-mib"),
     ],
 )

@@ -8,6 +8,7 @@ go through the official openai client.
 from __future__ import annotations
 
 import base64
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -196,18 +197,23 @@ def test_requests_and_tokens_per_minute_give_429_with_retry_after(tenancy) -> No
         b = {"Authorization": "Bearer key-b"}
         fan_out = http.post("/v1/completions", json={**body, "n": 128, "max_tokens": 16}, headers=b)
         assert fan_out.status_code == 429 and fan_out.json()["error"]["type"] == "tokens"
-        # Tokens are counted at admission: a request the engine refuses (more than its 512
-        # tokens of context) still spends 600 of the minute's 1,000, so a second is a 429.
-        spent = http.post("/v1/completions", json={**body, "max_tokens": 600}, headers=b)
-        assert spent.json()["error"]["code"] == "context_length_exceeded"
-        over = http.post("/v1/completions", json={**body, "max_tokens": 600}, headers=b)
-        assert over.status_code == 429 and over.json()["error"]["type"] == "tokens"
-        assert 10 <= int(over.headers["retry-after"]) <= 60
+        # 600 tokens are reserved at admission and settled when the answer is in: a request
+        # the engine refuses (more than its 512 tokens of context) generated nothing and is
+        # counted its prompt estimate, so a second one is admitted as well; a third of 900
+        # would pass the minute's 1,000 with the first two's reservations, not their counts.
+        for _ in range(2):
+            spent = http.post("/v1/completions", json={**body, "max_tokens": 600}, headers=b)
+            assert spent.json()["error"]["code"] == "context_length_exceeded"
+        large = http.post("/v1/completions", json={**body, "max_tokens": 900}, headers=b)
+        assert large.json()["error"]["code"] == "context_length_exceeded"
     metrics = gateway.metrics()
     outcome = 'llmpool_gateway:tenant_requests_total{outcome="%s",tenant="%s"}'
     assert metrics[outcome % ("admitted", "team-a")] == 2
     assert metrics[outcome % ("rate_limit_exceeded", "team-a")] == 1
-    assert metrics[outcome % ("rate_limit_exceeded", "team-b")] == 2
+    assert metrics[outcome % ("rate_limit_exceeded", "team-b")] == 1
+    prompt_estimate = -(-len(compact({**body, "max_tokens": 600})) // 4)
+    counted = metrics['llmpool_gateway:tenant_counted_tokens_total{tenant="team-b"}']
+    assert counted == 3 * prompt_estimate  # the fan-out, refused before admission, counts nothing
     assert not any("key-" in name for name in metrics)  # tenants by name, never by key
 
 
@@ -233,6 +239,124 @@ def test_concurrent_requests_over_the_limit_are_429(tenancy) -> None:
     assert (
         httpx.post(f"{gateway.url}/v1/completions", json=body, headers=a, timeout=60).status_code
         == 200
+    )
+
+
+def compact(body: dict[str, Any]) -> bytes:
+    """``body`` as httpx sends ``json=``."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+# Both fields, as each route reads them: (max_tokens, max_completion_tokens) -> the limit the
+# engine generates to (with ignore_eos, exactly that many tokens); None: until EOS (chat).
+LIMIT_CASES = {
+    "/v1/completions": [((None, None), 16), ((3, None), 3), ((None, 3), 3), ((4, 4), 4)],
+    "/v1/chat/completions": [((None, None), None), ((3, None), 3), ((None, 3), 3), ((4, 4), 4)],
+}
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    return [
+        json.loads(line[len("data: ") :])
+        for line in text.split("\n\n")
+        if line.startswith("data: {")
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("path", list(LIMIT_CASES))
+def test_each_tenant_is_counted_the_usage_its_engine_returned(
+    tenancy, path: str, stream: bool
+) -> None:
+    """For every combination of the two limit fields, the gateway reserves what the engine
+    generates (estimate - prompt estimate = completion tokens), and then counts exactly the
+    usage the engine returned; a stream is asked for its usage, which reaches only a client
+    that asked for it. Two limits that differ are one 400 of the gateway's."""
+    gateway = tenancy(TEAM_A)
+    fields: dict[str, Any] = (
+        {"prompt": PROMPT}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "Say hello. One word."}], "stop": ["."]}
+    )
+    with httpx.Client(base_url=gateway.url, timeout=120) as http:
+        for (max_tokens, max_completion_tokens), limit in LIMIT_CASES[path]:
+            body: dict[str, Any] = {
+                "model": MODEL, **fields, "temperature": 0, "ignore_eos": limit is not None,
+            }  # fmt: skip
+            for name, value in (
+                ("max_tokens", max_tokens), ("max_completion_tokens", max_completion_tokens),
+            ):  # fmt: skip
+                if value is not None:
+                    body[name] = value
+            # Streamed: once asking for usage (the client sees it), once not (it does not; the
+            # same greedy request, so the same usage).
+            usage: dict[str, int] = {}
+            for asked in (True, False) if stream else (True,):
+                if stream:
+                    body = {**body, "stream": True, "stream_options": {"include_usage": asked}}
+                charged, reserved, answer = _counted(gateway, http, path, body)
+                if stream:
+                    usages = [e["usage"] for e in _events(answer.text) if e.get("usage")]
+                    assert len(usages) == (1 if asked else 0), answer.text
+                    usage = usages[0] if asked else usage
+                else:
+                    usage = answer.json()["usage"]
+                print(f"{path} stream={stream} usage asked={asked} {body.get('max_tokens')=}"
+                      f" {body.get('max_completion_tokens')=}: counted {charged:.0f},"
+                      f" usage {usage['total_tokens']} ({usage})")  # fmt: skip
+                assert charged == usage["total_tokens"]
+                if limit is not None:
+                    assert usage["completion_tokens"] == limit
+                    assert reserved - -(-len(compact(body)) // 4) == limit
+        differ = {**fields, "model": MODEL, "max_tokens": 3, "max_completion_tokens": 5}
+        refused = http.post(path, content=compact(differ), headers=A_JSON)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] in ("max_tokens", "max_completion_tokens")
+    assert sent_to_pools(gateway)["team-a/chat"] == len(LIMIT_CASES[path]) * (2 if stream else 1)
+
+
+A_JSON = {"Authorization": "Bearer key-a", "Content-Type": "application/json"}
+
+
+def test_a_client_that_leaves_a_stream_is_counted_its_reservation(tenancy) -> None:
+    """No usage comes to a stream whose client left: what it reserved stands (every token its
+    max_tokens allowed), never less, so leaving early is no way around the budget."""
+    gateway = tenancy(TEAM_A)
+    counted = 'llmpool_gateway:tenant_counted_tokens_total{tenant="team-a"}'
+    estimated = 'llmpool_gateway:tenant_estimated_tokens_total{tenant="team-a"}'
+    in_flight = 'llmpool_gateway:tenant_in_flight_requests{tenant="team-a"}'
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with (
+        httpx.Client(base_url=gateway.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", content=compact(body), headers=A_JSON) as answer,
+    ):
+        events = answer.iter_lines()
+        assert next(line for line in events if line.startswith("data: {"))
+    _wait_until(lambda: gateway.metrics().get(in_flight) == 0)
+    metrics = gateway.metrics()
+    print(
+        f"left after the first event: counted {metrics[counted]:.0f}, reserved {metrics[estimated]:.0f}"
+    )
+    assert metrics[counted] == metrics[estimated] == -(-len(compact(body)) // 4) + 400
+
+
+def _counted(
+    gateway: Any, http: httpx.Client, path: str, body: dict[str, Any]
+) -> tuple[float, float, httpx.Response]:
+    """The tokens team-a was counted and reserved for ``body``, and the answer."""
+    counted = 'llmpool_gateway:tenant_counted_tokens_total{tenant="team-a"}'
+    estimated = 'llmpool_gateway:tenant_estimated_tokens_total{tenant="team-a"}'
+    before = gateway.metrics()
+    answer = http.post(path, content=compact(body), headers=A_JSON)
+    assert answer.status_code == 200, answer.text
+    # Settled as the relayed response ends, a moment after its last byte reached the client.
+    _wait_until(lambda: gateway.metrics().get(counted, 0) != before.get(counted, 0))
+    after = gateway.metrics()
+    return (
+        after[counted] - before.get(counted, 0),
+        after[estimated] - before.get(estimated, 0),
+        answer,
     )
 
 

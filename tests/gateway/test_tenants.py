@@ -12,7 +12,7 @@ import pytest
 from llmpool.gateway import routing
 from llmpool.gateway.limits import TenantLimiter, TenantLimits, TokenBucket
 from llmpool.gateway.pools import Pool
-from llmpool.gateway.request import read_facts, with_model
+from llmpool.gateway.request import read_facts, upstream_body
 from llmpool.gateway.tenants import DEFAULT, OPEN, KeyRing, tenant_from_secret
 from llmpool.protocol.errors import APIError
 
@@ -119,17 +119,21 @@ def test_limits_refuse_with_429_and_release_once() -> None:
     with pytest.raises(APIError) as error:
         limiter.admit("t", limits, 10)
     assert (error.value.status, error.value.type) == (429, "concurrent_requests")
-    first()
-    first()  # a second release changes nothing
+    first.release()
+    first.release()  # a second release changes nothing
     limiter.admit("t", limits, 10)
-    second()
+    second.release()
     with pytest.raises(APIError) as error:
         limiter.admit("t", limits, 10)  # the fourth request within the minute
     assert error.value.type == "requests" and error.value.headers["Retry-After"] == "20"
     clock.now += 20
     limiter.admit("t", limits, 10)
     with pytest.raises(APIError) as error:
-        limiter.admit("u", limits, 101)  # more than a minute's worth: no wait would help
+        limiter.admit("u", limits, 101)  # a prompt of more than a minute's worth, before reading
+    assert error.value.type == "tokens" and error.value.headers["Retry-After"] == "60"
+    admitted = limiter.admit("u", limits, 1)
+    with pytest.raises(APIError) as error:
+        admitted.reserve(101)  # its full estimate, once the body is read
     assert error.value.type == "tokens" and error.value.headers["Retry-After"] == "60"
     with limiter.held("u", TenantLimits(max_held=1)):
         with pytest.raises(APIError) as error, limiter.held("u", TenantLimits(max_held=1)):
@@ -137,6 +141,27 @@ def test_limits_refuse_with_429_and_release_once() -> None:
         assert error.value.type == "held_requests"
     with limiter.held("u", TenantLimits(max_held=1)):
         pass  # released
+
+
+def test_a_reservation_is_settled_against_the_usage() -> None:
+    """90 reserved and 10 used gives 80 back; 60 reserved and 150 used takes 90 more, so the
+    bucket owes 50 and the next request waits until the minute has refilled it."""
+    clock = Clock()
+    limiter = TenantLimiter(clock)
+    limits = TenantLimits(tokens_per_minute=100)
+    refunded = limiter.admit("t", limits, 0)
+    refunded.reserve(90)
+    refunded.settle(10)
+    refunded.settle(0)  # settled once: a second settlement changes nothing
+    over = limiter.admit("t", limits, 0)
+    over.reserve(60)  # 90 left after the refund
+    over.settle(150)
+    assert over.settled == 150
+    with pytest.raises(APIError) as error:
+        limiter.admit("t", limits, 1)  # 100 - 10 - 150 = -60: 61 tokens short
+    assert error.value.type == "tokens" and error.value.headers["Retry-After"] == "37"
+    clock.now += 37
+    limiter.admit("t", limits, 1)
 
 
 def test_cost_counts_the_body_and_every_choice() -> None:
@@ -151,9 +176,11 @@ def test_cost_counts_the_body_and_every_choice() -> None:
     assert chat.max_tokens == 7
     with pytest.raises(APIError):
         read_facts(b'{"model": "m", "n": "many"}', "/v1/completions", 1)
-    assert with_model(b'{"model": "ns/m", "prompt": "\xc3\xa9"}', "m") == (
+    assert upstream_body(b'{"model": "ns/m", "prompt": "\xc3\xa9"}', "m", False) == (
         '{"model":"m","prompt":"é"}'.encode()
     )
+    forced = upstream_body(b'{"model":"m","stream":true,"stream_options":{}}', "m", True)
+    assert forced == b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}'
 
 
 def test_names_resolve_within_scope_and_ambiguity_is_never_a_sort_order_winner() -> None:

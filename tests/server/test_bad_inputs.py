@@ -50,6 +50,17 @@ BAD_BODIES = {
     "max_tokens zero": ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
     "max_tokens huge": ("/v1/completions", {**COMPLETION, "max_tokens": 10**12}, "max_tokens"),
     "max_tokens float": ("/v1/completions", {**COMPLETION, "max_tokens": 2.5}, "max_tokens"),
+    # Two names for one limit (llmpool.protocol.requests.output_limit): given both, they agree.
+    "max_completion_tokens differs": (
+        "/v1/completions", {**COMPLETION, "max_completion_tokens": 3}, "max_completion_tokens",
+    ),
+    "max_tokens differs on chat": (
+        "/v1/chat/completions", {**CHAT, "max_completion_tokens": 3}, "max_tokens",
+    ),
+    "max_completion_tokens zero": (
+        "/v1/completions", {**COMPLETION, "max_tokens": None, "max_completion_tokens": 0},
+        "max_completion_tokens",
+    ),
     "temperature string": ("/v1/completions", {**COMPLETION, "temperature": "hot"}, "temperature"),
     "temperature negative": ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature"),
     "top_p zero": ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
