@@ -30,7 +30,7 @@ from llmpool.gateway.request import RequestFacts, read_facts, with_model
 from llmpool.gateway.tenants import KeyRing, Tenant
 from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
 from llmpool.protocol.errors import APIError, bad_request
-from llmpool.protocol.http import error_response, openai_endpoint
+from llmpool.protocol.http import ROUTE_ERROR_HANDLERS, error_response, openai_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class Gateway:
             Route("/v1/completions", self._openai(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._openai(self.chat_completions), methods=["POST"]),
             Route("/v1/models", self._openai(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self._openai(self.model), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -409,6 +410,19 @@ class Gateway:
     # --- the rest -----------------------------------------------------------------------------
 
     async def models(self, request: Request, tenant: Tenant) -> Response:
+        return JSONResponse({"object": "list", "data": self._model_cards(tenant)})
+
+    async def model(self, request: Request, tenant: Tenant) -> Response:
+        """One model the tenant may use; any other (absent or another tenant's) is the same 404."""
+        model_id = request.path_params["model_id"]
+        for card in self._model_cards(tenant):
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise APIError(
+            404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
+
+    def _model_cards(self, tenant: Tenant) -> list[dict[str, Any]]:
         visible = [pool for pool in self.table.pools() if tenant.may_use(pool)]
         data = [
             {"id": name, "object": "model", "created": self._created, "owned_by": "llmpool"}
@@ -424,7 +438,7 @@ class Gateway:
             }
             for name, parent in routing.adapter_ids(visible).items()
         ]
-        return JSONResponse({"object": "list", "data": data})
+        return data
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -457,6 +471,8 @@ def build_app(
     ``demand_writer``: where held requests are recorded for the autoscaler (none: nowhere);
     ``keys``: the API keys (none: ``settings.api_key`` alone, or open without one)."""
     gateway = Gateway(table, settings, background, demand_writer, keys)
-    app = Starlette(routes=gateway.routes(), lifespan=gateway.lifespan)
+    app = Starlette(
+        routes=gateway.routes(), lifespan=gateway.lifespan, exception_handlers=ROUTE_ERROR_HANDLERS
+    )
     app.state.gateway = gateway
     return app

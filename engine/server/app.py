@@ -41,7 +41,7 @@ from llmpool.engine.server.tool_calls import ToolCallShaper, detect_parser
 from llmpool.engine.structured_outputs import GrammarError, StructuredOutputsParams
 from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
 from llmpool.protocol.errors import APIError, bad_request, parse_json_body
-from llmpool.protocol.http import openai_endpoint, read_body
+from llmpool.protocol.http import ROUTE_ERROR_HANDLERS, openai_endpoint, read_body
 from llmpool.protocol.limits import DEFAULT_MAX_RESPONSE_TOKENS
 from llmpool.protocol.requests import (
     ChatRequest,
@@ -209,6 +209,7 @@ class OpenAIServer:
             Route("/v1/completions", self._openai(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._openai(self.chat_completions), methods=["POST"]),
             Route("/v1/models", self._openai(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self._openai(self.model), methods=["GET"]),
             Route(
                 "/v1/load_lora_adapter",
                 self._openai(self._stopped(self.lora.load)),
@@ -467,7 +468,8 @@ class OpenAIServer:
 
     # --- the rest -----------------------------------------------------------------------------
 
-    async def models(self, request: Request) -> Response:
+    def _model_cards(self) -> list[dict[str, Any]]:
+        """The served model, then its loaded LoRA adapters, as OpenAI's model objects."""
         model = {
             "id": self.model_name,
             "object": "model",
@@ -477,8 +479,20 @@ class OpenAIServer:
             "parent": None,
             "max_model_len": self.core.max_model_len,
         }
-        adapters = self.lora.model_cards(self._created)
-        return JSONResponse({"object": "list", "data": [model, *adapters]})
+        return [model, *self.lora.model_cards(self._created)]
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        for card in self._model_cards():
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise APIError(
+            404, f"the model {model_id!r} does not exist; this server serves {self.model_name!r}",
+            param="model", code="model_not_found",
+        )  # fmt: skip
 
     async def health(self, request: Request) -> Response:
         """Alive unless the engine loop died, which only a restart cures."""
@@ -514,6 +528,8 @@ def warm_up(core: EngineCore) -> None:
 
 def build_app(core: EngineCore, settings: ServerSettings) -> Starlette:
     server = OpenAIServer(core, settings)
-    app = Starlette(routes=server.routes(), lifespan=server.lifespan)
+    app = Starlette(
+        routes=server.routes(), lifespan=server.lifespan, exception_handlers=ROUTE_ERROR_HANDLERS
+    )
     app.state.server = server
     return app

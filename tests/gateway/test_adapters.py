@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from llmpool.gateway import routing
@@ -123,3 +124,21 @@ async def test_an_adapter_never_loaded_is_a_503_after_the_hold(gateway) -> None:
     assert response.json()["error"]["code"] == routing.ADAPTER_NOT_RESIDENT
     assert "retry-after" in response.headers
     assert replicas.bodies == {host: [] for host in REPLICAS.values()}
+
+
+async def test_models_retrieve_by_id_and_route_errors_are_openai_shaped(gateway) -> None:
+    _, client, _ = gateway
+    api = openai.AsyncOpenAI(
+        base_url="http://gateway/v1", api_key="unused", http_client=client, max_retries=0
+    )
+    assert (await api.models.retrieve("poet")).model_dump()["parent"] == MODEL
+    assert (await api.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        await api.models.retrieve("absent")
+    assert missing.value.body["param"] == "model" and "'absent'" in missing.value.message
+    unknown = await client.post("/v1/nowhere", json={})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "not_found"
+    wrong = await client.get("/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
