@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmpool.fleet_key import FleetKey
-from llmpool.gateway import routing
+from llmpool.gateway import routing, stored_responses
 from llmpool.gateway.budget import RETRY_AFTER_SECONDS, RequestBudget, once, unavailable
 from llmpool.gateway.demand import DemandReporter, DemandWriter
 from llmpool.gateway.limits import TenantLimiter
@@ -132,6 +132,12 @@ class Gateway:
         return [
             Route("/v1/completions", self._openai(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._openai(self.chat_completions), methods=["POST"]),
+            Route("/v1/responses", self._openai(self.responses), methods=["POST"]),
+            Route(
+                "/v1/responses/{response_id}",
+                self._openai(self.stored_response),
+                methods=["GET", "DELETE"],
+            ),
             Route("/v1/models", self._openai(self.models), methods=["GET"]),
             Route("/v1/models/{model_id:path}", self._openai(self.model), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -167,6 +173,36 @@ class Gateway:
     async def chat_completions(self, request: Request, tenant: Tenant) -> Response:
         return await self._route(request, tenant, "/v1/chat/completions")
 
+    async def responses(self, request: Request, tenant: Tenant) -> Response:
+        return await self._route(request, tenant, "/v1/responses")
+
+    async def stored_response(self, request: Request, tenant: Tenant) -> Response:
+        """GET or DELETE a stored response at the replica its id names, among the pools the
+        tenant may use; the engine answers for its owner (the tenant header) alone."""
+        response_id = request.path_params["response_id"]
+        replicas = {
+            replica.url: (pool, replica)
+            for pool in self.table.pools()
+            if tenant.may_use(pool)
+            for replica in self.table.replicas(pool)
+        }
+        replica = stored_responses.holder([r for _, r in replicas.values()], response_id)
+        pool = replicas[replica.url][0]
+        engine_key = self.settings.fleet_key.engine_key(pool.namespace, pool.name)
+        try:
+            upstream = await open_response(
+                self.client, f"{replica.url}/v1/responses/{response_id}", b"", request.headers,
+                engine_key, tenant.name, request.method,
+            )  # fmt: skip
+        except UpstreamFailed as failure:
+            return self._failed(failure)
+        try:
+            content = await upstream.aread()
+        finally:
+            await upstream.aclose()
+        content_type = upstream.headers.get("content-type", "application/json")
+        return Response(content, upstream.status_code, media_type=content_type)
+
     async def _route(self, request: Request, tenant: Tenant, path: str) -> Response:
         """Admit (gateway bounds, then the tenant's limits), route and relay. What was counted
         in is counted out when the relayed response ends, or at once on any other answer."""
@@ -191,10 +227,16 @@ class Gateway:
                     raw = with_model(raw, model)
                 # One watcher of the client for the whole wait: a held request whose client
                 # left is dropped at once, and stops counting as demand.
+                pinned = None
+                if path == "/v1/responses" and (
+                    previous := stored_responses.previous_response_id(raw)
+                ):
+                    pinned = stored_responses.holder(self.table.replicas(pool), previous)
                 async with disconnect_watcher(request.receive) as disconnected:
                     response = await self._forward(
-                        request, tenant, pool, adapter, facts, path, raw, finish, disconnected
-                    )
+                        request, tenant, pool, adapter, facts, path, raw, finish, disconnected,
+                        pinned,
+                    )  # fmt: skip
             finally:
                 del raw  # the body's last reference here: once the upstream has it, it is gone
                 release_body()
@@ -226,14 +268,18 @@ class Gateway:
         raw: bytes,
         finish: Callable[[], None],
         disconnected: asyncio.Future[None],
+        pinned: Replica | None = None,
     ) -> Response:
         """The response of a replica of ``pool`` (one with ``adapter``, if one is asked for),
         retried once on another; ``finish`` runs when a relayed response ends. Raises ClientGone
-        when the client leaves first (``disconnected``)."""
+        when the client leaves first (``disconnected``). A ``pinned`` request (it continues a
+        response stored there) goes to that replica alone: the others count as tried."""
         # One hold budget for both attempts: a request refused by the only replica (it drains)
         # waits for the replica replacing it rather than failing.
         deadline = time.monotonic() + self.settings.hold_timeout
         tried: set[str] = set()
+        if pinned is not None:
+            tried = {r.url for r in self.table.replicas(pool) if r.url != pinned.url}
         failure: UpstreamFailed | None = None
         key = routing.affinity_key(facts.prefix_key, adapter)
         for attempt in range(2):
@@ -254,7 +300,7 @@ class Gateway:
             done, broken = self._finishers(replica, labels)
             try:
                 upstream = await self._open_unless_disconnected(
-                    f"{replica.url}{path}", raw, request, pool, disconnected
+                    f"{replica.url}{path}", raw, request, pool, tenant, disconnected
                 )
             except UpstreamFailed as error:
                 done()
@@ -377,6 +423,7 @@ class Gateway:
         body: bytes,
         request: Request,
         pool: Pool,
+        tenant: Tenant,
         disconnected: asyncio.Future[None],
     ) -> Any:
         """The upstream response once its head arrives; ClientGone if the client left first.
@@ -386,7 +433,8 @@ class Gateway:
         """
         engine_key = self.settings.fleet_key.engine_key(pool.namespace, pool.name)
         return await unless_gone(
-            open_response(self.client, url, body, request.headers, engine_key), disconnected
+            open_response(self.client, url, body, request.headers, engine_key, tenant.name),
+            disconnected,
         )
 
     def _failed(self, failure: UpstreamFailed) -> Response:

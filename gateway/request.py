@@ -19,7 +19,7 @@ from llmpool.protocol.errors import bad_request, parse_json_body
 BYTES_PER_TOKEN = 4
 # When a body does not say max_tokens: the engine's own default for completions, and for chat
 # (which runs until EOS or the context is full) a budget of this many tokens.
-UNSAID_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 1024}
+UNSAID_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 1024, "/v1/responses": 1024}
 
 
 @dataclass(frozen=True)
