@@ -231,7 +231,9 @@ class Gateway:
                 if path == "/v1/responses" and (
                     previous := stored_responses.previous_response_id(raw)
                 ):
-                    pinned = stored_responses.holder(self.table.replicas(pool), previous)
+                    pinned = stored_responses.holder(
+                        self.table.replicas(pool), previous, "previous_response_id"
+                    )
                 async with disconnect_watcher(request.receive) as disconnected:
                     response = await self._forward(
                         request, tenant, pool, adapter, facts, path, raw, finish, disconnected,

@@ -22,10 +22,11 @@ def previous_response_id(raw: bytes) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def holder(replicas: Iterable[Replica], response_id: str) -> Replica:
-    """The replica whose token ``response_id`` carries; a 404 naming the id without one."""
+def holder(replicas: Iterable[Replica], response_id: str, param: str = "response_id") -> Replica:
+    """The replica whose token ``response_id`` carries; a 404 naming the id (and ``param``, the
+    field that gave it) without one."""
     token = token_of(response_id)
     for replica in replicas:
         if token is not None and replica_token(replica.name) == token:
             return replica
-    raise not_found(response_id)
+    raise not_found(response_id, param)

@@ -98,13 +98,14 @@ class ResponseStore:
         )
         self._bytes += size
 
-    def get(self, owner: str, response_id: str) -> StoredResponse:
-        """The owner's response, or a 404 naming the id (also for another owner's)."""
+    def get(self, owner: str, response_id: str, param: str = "response_id") -> StoredResponse:
+        """The owner's response, or a 404 naming the id (also for another owner's) and the
+        field that gave it."""
         with self._lock:
             self._expire()
             stored = self._responses.get(response_id)
         if stored is None or stored.owner != owner:
-            raise not_found(response_id)
+            raise not_found(response_id, param)
         return stored
 
     def delete(self, owner: str, response_id: str) -> None:

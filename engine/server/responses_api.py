@@ -107,7 +107,7 @@ def parse_responses_request(
             "instructions": instructions,
             "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
-            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "temperature": body.get("temperature", 1.0),
             "top_p": body.get("top_p", 1.0),
             "max_output_tokens": body.get("max_output_tokens"),

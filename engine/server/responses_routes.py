@@ -83,7 +83,9 @@ class ResponsesRoutes:
         checked and templated."""
         body = parse_json_body(raw)
         previous = previous_response_id(body)
-        history = [] if previous is None else self.store.get(owner, previous).conversation
+        history = []
+        if previous is not None:
+            history = self.store.get(owner, previous, "previous_response_id").conversation
         asked, chat = parse_responses_request(body, history)
         return (asked, history, *self.server.prepare_chat_body(chat))
 

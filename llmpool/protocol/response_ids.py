@@ -37,12 +37,13 @@ def token_of(response_id: str) -> str | None:
     return None if match is None else match.group(1)
 
 
-def not_found(response_id: str) -> APIError:
-    """The answer for an id that is missing, gone, or another owner's: the same for all three."""
+def not_found(response_id: str, param: str = "response_id") -> APIError:
+    """The answer for an id that is missing, gone, or another owner's: the same for all three;
+    ``param`` is the field that gave the id."""
     return APIError(
         404,
         f"no response with id {response_id!r} is stored (never stored, deleted, expired, evicted,"
         " or its replica is gone)",
-        param="response_id",
+        param=param,
         code="response_not_found",
     )

@@ -178,4 +178,5 @@ async def test_responses_carry_the_tenant_and_stored_ids_go_to_their_replica(gat
         missing = await client.get(f"/v1/responses/{unknown}")
         assert missing.status_code == 404 and unknown in missing.json()["error"]["message"]
         lost = await client.post("/v1/responses", json={**body, "previous_response_id": unknown})
-        assert lost.status_code == 404 and lost.json()["error"]["code"] == "response_not_found"
+        assert lost.status_code == 404
+        assert lost.json()["error"]["param"] == "previous_response_id"

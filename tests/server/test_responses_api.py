@@ -250,7 +250,7 @@ def test_stored_responses_continue_and_are_scoped_to_their_key(
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": []}}}, "text.format"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"background": True}, "background"),
-        ({"previous_response_id": "resp_nothing"}, "response_id"),
+        ({"previous_response_id": "resp_nothing"}, "previous_response_id"),
         ({"tools": [WEATHER] * (limits.MAX_TOOLS + 1)}, "tools"),
     ],
 )
