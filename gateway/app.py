@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmpool.fleet_key import FleetKey
-from llmpool.gateway import routing
+from llmpool.gateway import routing, stored_responses
 from llmpool.gateway.budget import RETRY_AFTER_SECONDS, RequestBudget, once, unavailable
 from llmpool.gateway.demand import DemandReporter, DemandWriter
 from llmpool.gateway.limits import Admission, TenantLimiter
@@ -36,7 +36,7 @@ from llmpool.gateway.tenants import KeyRing, Tenant
 from llmpool.gateway.usage import Usage, UsageReader
 from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
 from llmpool.protocol.errors import APIError, bad_request
-from llmpool.protocol.http import error_response, openai_endpoint
+from llmpool.protocol.http import ROUTE_ERROR_HANDLERS, error_response, openai_endpoint
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -145,7 +145,14 @@ class Gateway:
         return [
             Route("/v1/completions", self._openai(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._openai(self.chat_completions), methods=["POST"]),
+            Route("/v1/responses", self._openai(self.responses), methods=["POST"]),
+            Route(
+                "/v1/responses/{response_id}",
+                self._openai(self.stored_response),
+                methods=["GET", "DELETE"],
+            ),
             Route("/v1/models", self._openai(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self._openai(self.model), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -178,6 +185,36 @@ class Gateway:
 
     async def chat_completions(self, request: Request, tenant: Tenant) -> Response:
         return await self._route(request, tenant, "/v1/chat/completions")
+
+    async def responses(self, request: Request, tenant: Tenant) -> Response:
+        return await self._route(request, tenant, "/v1/responses")
+
+    async def stored_response(self, request: Request, tenant: Tenant) -> Response:
+        """GET or DELETE a stored response at the replica its id names, among the pools the
+        tenant may use; the engine answers for its owner (the tenant header) alone."""
+        response_id = request.path_params["response_id"]
+        replicas = {
+            replica.url: (pool, replica)
+            for pool in self.table.pools()
+            if tenant.may_use(pool)
+            for replica in self.table.replicas(pool)
+        }
+        replica = stored_responses.holder([r for _, r in replicas.values()], response_id)
+        pool = replicas[replica.url][0]
+        engine_key = self.settings.fleet_key.engine_key(pool.namespace, pool.name)
+        try:
+            upstream = await open_response(
+                self.client, f"{replica.url}/v1/responses/{response_id}", b"", request.headers,
+                engine_key, tenant.name, request.method,
+            )  # fmt: skip
+        except UpstreamFailed as failure:
+            return self._failed(failure)
+        try:
+            content = await upstream.aread()
+        finally:
+            await upstream.aclose()
+        content_type = upstream.headers.get("content-type", "application/json")
+        return Response(content, upstream.status_code, media_type=content_type)
 
     async def _route(self, request: Request, tenant: Tenant, path: str) -> Response:
         """Admit (gateway bounds and the tenant's limits before the body is read, then the
@@ -217,10 +254,16 @@ class Gateway:
                     )
                 # One watcher of the client for the whole wait: a held request whose client
                 # left is dropped at once, and stops counting as demand.
+                pinned = None
+                if facts.previous_response_id is not None:
+                    pinned = stored_responses.holder(
+                        self.table.replicas(pool), facts.previous_response_id,
+                        "previous_response_id",
+                    )  # fmt: skip
                 async with disconnect_watcher(request.receive) as disconnected:
                     response = await self._forward(
                         request, tenant, pool, adapter, facts, path, raw, finish, disconnected,
-                        self._settler(tenant, admission, facts),
+                        self._settler(tenant, admission, facts), pinned,
                     )  # fmt: skip
             finally:
                 del raw  # the body's last reference here: once the upstream has it, it is gone
@@ -294,14 +337,19 @@ class Gateway:
         finish: Callable[[], None],
         disconnected: asyncio.Future[None],
         settle: Callable[[int, UsageReader], None],
+        pinned: Replica | None = None,
     ) -> Response:
         """The response of a replica of ``pool`` (one with ``adapter``, if one is asked for),
         retried once on another; ``settle`` then ``finish`` run when a relayed response ends.
-        Raises ClientGone when the client leaves first (``disconnected``)."""
+        Raises ClientGone when the client leaves first (``disconnected``). A ``pinned`` request
+        (it continues a response stored there) goes to that replica alone: the others count as
+        tried."""
         # One hold budget for both attempts: a request refused by the only replica (it drains)
         # waits for the replica replacing it rather than failing.
         deadline = time.monotonic() + self.settings.hold_timeout
         tried: set[str] = set()
+        if pinned is not None:
+            tried = {r.url for r in self.table.replicas(pool) if r.url != pinned.url}
         failure: UpstreamFailed | None = None
         key = routing.affinity_key(facts.prefix_key, adapter)
         for attempt in range(2):
@@ -322,7 +370,7 @@ class Gateway:
             done, broken = self._finishers(replica, labels)
             try:
                 upstream = await self._open_unless_disconnected(
-                    f"{replica.url}{path}", raw, request, pool, disconnected
+                    f"{replica.url}{path}", raw, request, pool, tenant, disconnected
                 )
             except UpstreamFailed as error:
                 done()
@@ -448,6 +496,7 @@ class Gateway:
         body: bytes,
         request: Request,
         pool: Pool,
+        tenant: Tenant,
         disconnected: asyncio.Future[None],
     ) -> Any:
         """The upstream response once its head arrives; ClientGone if the client left first.
@@ -457,7 +506,8 @@ class Gateway:
         """
         engine_key = self.settings.fleet_key.engine_key(pool.namespace, pool.name)
         return await unless_gone(
-            open_response(self.client, url, body, request.headers, engine_key), disconnected
+            open_response(self.client, url, body, request.headers, engine_key, tenant.name),
+            disconnected,
         )
 
     def _failed(self, failure: UpstreamFailed) -> Response:
@@ -481,6 +531,19 @@ class Gateway:
     # --- the rest -----------------------------------------------------------------------------
 
     async def models(self, request: Request, tenant: Tenant) -> Response:
+        return JSONResponse({"object": "list", "data": self._model_cards(tenant)})
+
+    async def model(self, request: Request, tenant: Tenant) -> Response:
+        """One model the tenant may use; any other (absent or another tenant's) is the same 404."""
+        model_id = request.path_params["model_id"]
+        for card in self._model_cards(tenant):
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise APIError(
+            404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
+
+    def _model_cards(self, tenant: Tenant) -> list[dict[str, Any]]:
         visible = [pool for pool in self.table.pools() if tenant.may_use(pool)]
         data = [
             {"id": name, "object": "model", "created": self._created, "owned_by": "llmpool"}
@@ -496,7 +559,7 @@ class Gateway:
             }
             for name, parent in routing.adapter_ids(visible).items()
         ]
-        return JSONResponse({"object": "list", "data": data})
+        return data
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -538,6 +601,8 @@ def build_app(
     ``demand_writer``: where held requests are recorded for the autoscaler (none: nowhere);
     ``keys``: the API keys (none: ``settings.api_key`` alone, or open without one)."""
     gateway = Gateway(table, settings, background, demand_writer, keys)
-    app = Starlette(routes=gateway.routes(), lifespan=gateway.lifespan)
+    app = Starlette(
+        routes=gateway.routes(), lifespan=gateway.lifespan, exception_handlers=ROUTE_ERROR_HANDLERS
+    )
     app.state.gateway = gateway
     return app

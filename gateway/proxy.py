@@ -13,6 +13,7 @@ from starlette.types import Receive, Scope, Send
 from llmpool.gateway.usage import UsageReader, usage_reader
 from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
 from llmpool.protocol.errors import APIError
+from llmpool.protocol.response_ids import TENANT_HEADER
 
 # What a client sends that the engine needs, and what the engine answers that a client needs.
 # Never the client's Authorization: its key is the gateway's business; the engine gets the
@@ -36,16 +37,21 @@ async def open_response(
     body: bytes,
     headers: Mapping[str, str],
     engine_key: str | None = None,
+    tenant: str | None = None,
+    method: str = "POST",
 ) -> httpx.Response:
-    """POST with ``engine_key`` as the bearer token (None: none) and wait for the response
-    head; a failure before it raises ``UpstreamFailed``."""
+    """``method`` with ``engine_key`` as the bearer token (None: none) and ``tenant`` in
+    TENANT_HEADER (who owns stored responses), and wait for the response head; a failure before
+    it raises ``UpstreamFailed``."""
     forwarded = {name: headers[name] for name in REQUEST_HEADERS if name in headers}
     forwarded["content-length"] = str(len(body))
     if engine_key is not None:
         forwarded["authorization"] = f"Bearer {engine_key}"
+    if tenant is not None:
+        forwarded[TENANT_HEADER] = tenant
     # As a generator, so that the request keeps no reference to the body once it is sent: a
     # long stream then holds none of it.
-    request = client.build_request("POST", url, content=_once(body), headers=forwarded)
+    request = client.build_request(method, url, content=_once(body), headers=forwarded)
     try:
         response = await client.send(request, stream=True)
     except (httpx.ConnectError, httpx.ConnectTimeout) as error:

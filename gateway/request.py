@@ -21,7 +21,11 @@ BYTES_PER_TOKEN = 4
 # Reserved per choice for a chat request that sets no limit (the engine then runs until EOS or
 # the context is full, which the gateway does not know): settled against the usage returned.
 UNSAID_CHAT_MAX_TOKENS = 1024
-ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+ROUTES = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+}
 
 
 def prompt_estimate(body_bytes: int) -> int:
@@ -40,6 +44,8 @@ class RequestFacts:
     # A stream the client did not ask usage of: asked upstream, and the usage chunk kept from
     # the client. (A stream_options the engine would refuse is left for it to refuse.)
     forces_usage: bool = False
+    # A Responses request continuing a stored response: the replica holding it must answer.
+    previous_response_id: str | None = None
 
     @property
     def cost(self) -> int:
@@ -56,10 +62,13 @@ def read_facts(raw: bytes, path: str, prefix_chars: int) -> RequestFacts:
     n = _count("n", body.get("n"), 1)
     prompts = body.get("prompt")
     batch = len(prompts) if isinstance(prompts, list) and _is_batch(prompts) else 1
-    limit = output_limit(body, ROUTES[path])
+    route = ROUTES[path]
+    limit = output_limit(body, route)
     options = body.get("stream_options")
-    asked_no_usage = options is None or (
-        isinstance(options, dict) and options.get("include_usage") in (None, False)
+    # A Responses stream always ends with its usage (response.completed): nothing to ask.
+    asked_no_usage = route != "responses" and (
+        options is None
+        or (isinstance(options, dict) and options.get("include_usage") in (None, False))
     )
     return RequestFacts(
         model=model,
@@ -69,7 +78,18 @@ def read_facts(raw: bytes, path: str, prefix_chars: int) -> RequestFacts:
         max_tokens=limit.max_tokens or limit.default or UNSAID_CHAT_MAX_TOKENS,
         body_bytes=len(raw),
         forces_usage=body.get("stream") is True and asked_no_usage,
+        previous_response_id=_previous_response_id(body) if route == "responses" else None,
     )
+
+
+def _previous_response_id(body: dict[str, Any]) -> str | None:
+    value = body.get("previous_response_id")
+    if value is not None and not isinstance(value, str):
+        raise bad_request(
+            "previous_response_id must be a string naming a stored response",
+            param="previous_response_id",
+        )
+    return value
 
 
 def upstream_body(raw: bytes, model: str, force_usage: bool) -> bytes:

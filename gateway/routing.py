@@ -57,7 +57,10 @@ class RoutingError(Exception):
 
 
 def prompt_text(body: Mapping[str, Any]) -> str:
-    """The raw prompt of a completions or chat body, as text in the order the model reads it."""
+    """The raw prompt of a completions, chat or Responses body, as text in the order the model
+    reads it."""
+    if "input" in body:  # /v1/responses: its instructions come first
+        return json.dumps([body.get("instructions"), body["input"]], ensure_ascii=False)
     if "messages" in body:
         lines = []
         for message in body.get("messages") or []:

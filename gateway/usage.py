@@ -1,9 +1,11 @@
 """The ``usage`` an engine reports, read from its response as the gateway relays it.
 
 A stream's usage is its own event (``"choices": []`` and ``"usage"``), asked for upstream on
-every stream (``stream_options.include_usage``) and kept from a client that did not ask for it.
+every stream (``stream_options.include_usage``) and kept from a client that did not ask for it;
+a Responses stream's is in its last event's response (``response.completed``), always sent.
 A JSON answer's usage is its last field, as the engine writes it: only the body's tail is kept,
-so reading it costs no copy of the body.
+so reading it costs no copy of the body. Responses count ``input_tokens`` and
+``output_tokens`` where chat and completions count ``prompt_tokens`` and ``completion_tokens``.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ def usage_of(value: Any) -> Usage | None:
     """``value`` read as OpenAI's usage object; None if it is not one."""
     if not isinstance(value, dict):
         return None
-    prompt: Any = value.get("prompt_tokens")
-    completion: Any = value.get("completion_tokens")
+    prompt: Any = value.get("prompt_tokens", value.get("input_tokens"))
+    completion: Any = value.get("completion_tokens", value.get("output_tokens"))
     if not all(_is_count(count) for count in (prompt, completion)):
         return None
     return Usage(prompt, completion)
@@ -96,13 +98,18 @@ class StreamUsage:
 
     def _is_usage(self, event: bytes) -> bool:
         """Records the usage of a usage event; True when the event is to be kept from the client."""
-        if USAGE_FIELD not in event or not event.startswith(b"data: "):
+        # A Responses event names its type on a line before its data.
+        data = next((line for line in event.split(b"\n") if line.startswith(b"data: ")), None)
+        if USAGE_FIELD not in event or data is None:
             return False
         try:
-            payload = json.loads(event[len(b"data: ") :])
+            payload = json.loads(data[len(b"data: ") :])
         except ValueError:
             return False
-        usage = usage_of(payload.get("usage")) if isinstance(payload, dict) else None
+        if not isinstance(payload, dict):
+            return False
+        final = payload.get("response")  # a Responses event's
+        usage = usage_of(final.get("usage") if isinstance(final, dict) else payload.get("usage"))
         if usage is None:
             return False
         self._usage = usage

@@ -6,17 +6,17 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from llmpool import names
 from llmpool.engine.admission import InvalidRequestError, PromptTooLongError
@@ -36,13 +36,16 @@ from llmpool.engine.server.fingerprint import build_fingerprint, live_fields
 from llmpool.engine.server.lora_routes import LoraRoutes, model_not_found
 from llmpool.engine.server.metrics import EngineMetrics
 from llmpool.engine.server.prompts import PromptBuilder
+from llmpool.engine.server.response_store import ResponseStore, StoreLimits
 from llmpool.engine.server.responses import SSE_DONE, Choice, ResponseBuilder, sse_event
+from llmpool.engine.server.responses_routes import ResponsesRoutes
+from llmpool.engine.server.sse import SSEResponse
 from llmpool.engine.server.stats_log import log_stats_forever
 from llmpool.engine.server.tool_calls import ToolCallShaper, detect_parser
 from llmpool.engine.structured_outputs import GrammarError, StructuredOutputsParams
 from llmpool.protocol.disconnect import ClientGone, disconnect_watcher, unless_gone
 from llmpool.protocol.errors import APIError, bad_request, parse_json_body
-from llmpool.protocol.http import openai_endpoint, read_body
+from llmpool.protocol.http import ROUTE_ERROR_HANDLERS, openai_endpoint, read_body
 from llmpool.protocol.limits import DEFAULT_MAX_RESPONSE_TOKENS
 from llmpool.protocol.requests import (
     ChatRequest,
@@ -68,21 +71,9 @@ class ServerSettings:
     tool_call_parser: str | None = None  # hermes, llama3_json or mistral; None: from the template
     # Token entries a non-streamed response may hold (limits.DEFAULT_MAX_RESPONSE_TOKENS).
     max_response_tokens: int = DEFAULT_MAX_RESPONSE_TOKENS
-
-
-class _SSEResponse(StreamingResponse):
-    """Closes its generator when the client goes away, so the engine work is aborted at once."""
-
-    def __init__(self, content: AsyncIterator[bytes]) -> None:
-        super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+    # Stored responses (/v1/responses): this replica's name in their ids, and their bounds.
+    replica_name: str = field(default_factory=socket.gethostname)
+    response_store: StoreLimits = StoreLimits()
 
 
 def _engine_error(error: Exception) -> APIError:
@@ -145,6 +136,9 @@ class OpenAIServer:
         core.structured_outputs.on_compile = self.metrics.on_grammar_compiled
         self.engine = AsyncEngine(core, settings.max_queue, self.metrics)
         self.lora = LoraRoutes(core, self.engine, self.model_name)
+        self.responses = ResponsesRoutes(
+            self, ResponseStore(settings.replica_name, settings.response_store)
+        )
         chat_template = settings.chat_template.decode("utf-8") if settings.chat_template else None
         self.prompts = PromptBuilder(core.tokenizer, chat_template, core.max_model_len)
         # Parsing, checking and tokenizing a body grow with its size (seconds for 16 MiB of
@@ -209,7 +203,19 @@ class OpenAIServer:
         return [
             Route("/v1/completions", self._openai(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._openai(self.chat_completions), methods=["POST"]),
+            Route("/v1/responses", self._openai(self.responses.create), methods=["POST"]),
+            Route(
+                "/v1/responses/{response_id}",
+                self._openai(self.responses.retrieve),
+                methods=["GET"],
+            ),
+            Route(
+                "/v1/responses/{response_id}",
+                self._openai(self.responses.delete),
+                methods=["DELETE"],
+            ),
             Route("/v1/models", self._openai(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self._openai(self.model), methods=["GET"]),
             Route(
                 "/v1/load_lora_adapter",
                 self._openai(self._stopped(self.lora.load)),
@@ -263,24 +269,26 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         raw = await read_body(request)
-        parsed, output, prompts, adapter = await self._off_loop(self._prepare_completion, raw)
-        structured_outputs = await self._compile(output.constraint)
-        return await self._generate(
-            request, "completion", "cmpl", parsed, prompts, arrival, structured_outputs,
-            adapter=adapter,
+        parsed, output, prompts, adapter = await self.off_loop(self._prepare_completion, raw)
+        structured_outputs = await self.compile_constraint(output.constraint)
+        stream, builder = await self.submit(
+            "completion", f"cmpl-{uuid.uuid4().hex}", parsed, prompts, arrival,
+            structured_outputs, adapter=adapter,
         )  # fmt: skip
+        return await self._answer(request, parsed, prompts, stream, builder)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         raw = await read_body(request)
-        parsed, output, prompt, adapter = await self._off_loop(self._prepare_chat, raw)
-        structured_outputs = await self._compile(output.constraint)
-        return await self._generate(
-            request, "chat", "chatcmpl", parsed, [prompt], arrival, structured_outputs,
-            self._tool_call_shaper(output), adapter,
+        parsed, output, prompt, adapter = await self.off_loop(self._prepare_chat, raw)
+        structured_outputs = await self.compile_constraint(output.constraint)
+        stream, builder = await self.submit(
+            "chat", f"chatcmpl-{uuid.uuid4().hex}", parsed, [prompt], arrival,
+            structured_outputs, self.tool_call_shaper(output), adapter,
         )  # fmt: skip
+        return await self._answer(request, parsed, [prompt], stream, builder)
 
-    async def _off_loop(self, prepare: Callable[[bytes], T], raw: bytes) -> T:
+    async def off_loop(self, prepare: Callable[[bytes], T], raw: bytes) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare, raw)
 
     def _prepare_completion(
@@ -293,7 +301,13 @@ class OpenAIServer:
         return parsed, output, [self.prompts.completion_ids(p) for p in parsed.prompts], adapter
 
     def _prepare_chat(self, raw: bytes) -> tuple[ChatRequest, OutputSpec, list[int], str | None]:
-        body = parse_json_body(raw)
+        return self.prepare_chat_body(parse_json_body(raw))
+
+    def prepare_chat_body(
+        self, body: dict[str, Any]
+    ) -> tuple[ChatRequest, OutputSpec, list[int], str | None]:
+        """A chat body checked and templated: the request, its output spec, its prompt's token
+        ids and the adapter its model names."""
         parsed = parse_chat_request(body)
         output = parse_output_spec(body, chat=True)
         adapter = self._check_model(parsed.model)
@@ -305,7 +319,9 @@ class OpenAIServer:
         )
         return parsed, output, prompt, adapter
 
-    async def _compile(self, constraint: Constraint | None) -> StructuredOutputsParams | None:
+    async def compile_constraint(
+        self, constraint: Constraint | None
+    ) -> StructuredOutputsParams | None:
         """Compile the request's grammar off the event loop (it may take milliseconds), so that
         the engine thread only copies it; what does not compile is a 400 naming its field."""
         if constraint is None:
@@ -318,7 +334,7 @@ class OpenAIServer:
             raise bad_request(str(error), param=constraint.param) from None
         return constraint.params
 
-    def _tool_call_shaper(self, output: OutputSpec) -> ToolCallShaper | None:
+    def tool_call_shaper(self, output: OutputSpec) -> ToolCallShaper | None:
         """None when the answer cannot be calls: no tools offered, or the output is held to a
         response_format or structured_outputs grammar (whose JSON might look like a call)."""
         constrained = output.constraint is not None and output.constraint.kind != "tool_call"
@@ -380,20 +396,43 @@ class OpenAIServer:
             code="context_length_exceeded",
         )
 
-    async def _generate(
+    async def _answer(
         self,
         request: Request,
+        parsed: GenerationRequest,
+        prompts: list[list[int]],
+        stream: RequestStream,
+        builder: ResponseBuilder,
+    ) -> Response:
+        """The submitted request's answer: streamed, or collected whole."""
+        prompt_tokens = sum(len(p) for p in prompts)
+        if parsed.stream:
+            return SSEResponse(self._stream_events(stream, builder, parsed, prompt_tokens))
+        try:
+            choices = await self.collect(request, stream, len(stream.child_ids))
+        finally:
+            stream.abort()
+        if choices is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        # Up to --max-response-tokens entries, each decoded and serialized: seconds of Python
+        # at the bound, so built in a thread while the loop keeps answering.
+        return await asyncio.to_thread(
+            lambda: JSONResponse(builder.response(choices, prompt_tokens))
+        )
+
+    async def submit(
+        self,
         kind: str,
-        id_prefix: str,
+        request_id: str,
         parsed: CompletionRequest | ChatRequest,
         prompts: list[list[int]],
         arrival: float,
         structured_outputs: StructuredOutputsParams | None,
         tool_calls: ToolCallShaper | None = None,
         adapter: str | None = None,
-    ) -> Response:
-        """Run the request; ``adapter`` is the LoRA adapter its ``model`` named (None: base)."""
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    ) -> tuple[RequestStream, ResponseBuilder]:
+        """The request in the engine, and the builder that shapes its answer; ``adapter`` is the
+        LoRA adapter its ``model`` named (None: the base model)."""
         sequences = parsed.n * len(prompts)
         if sequences > self.engine.max_queue:  # a 429 would have it retried forever
             raise bad_request(
@@ -410,22 +449,9 @@ class OpenAIServer:
             kind, request_id, adapter or self.model_name, self.core.tokenizer, parsed.logprobs,
             tool_calls,
         )  # fmt: skip
-        prompt_tokens = sum(len(p) for p in prompts)
-        if parsed.stream:
-            return _SSEResponse(self._stream_events(stream, builder, parsed, prompt_tokens))
-        try:
-            choices = await self._collect(request, stream, len(children))
-        finally:
-            stream.abort()
-        if choices is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        # Up to --max-response-tokens entries, each decoded and serialized: seconds of Python
-        # at the bound, so built in a thread while the loop keeps answering.
-        return await asyncio.to_thread(
-            lambda: JSONResponse(builder.response(choices, prompt_tokens))
-        )
+        return stream, builder
 
-    async def _collect(
+    async def collect(
         self, request: Request, stream: RequestStream, count: int
     ) -> list[Choice] | None:
         """All choices, or None if the client disconnected first (its work is then aborted)."""
@@ -468,7 +494,8 @@ class OpenAIServer:
 
     # --- the rest -----------------------------------------------------------------------------
 
-    async def models(self, request: Request) -> Response:
+    def _model_cards(self) -> list[dict[str, Any]]:
+        """The served model, then its loaded LoRA adapters, as OpenAI's model objects."""
         model = {
             "id": self.model_name,
             "object": "model",
@@ -478,8 +505,20 @@ class OpenAIServer:
             "parent": None,
             "max_model_len": self.core.max_model_len,
         }
-        adapters = self.lora.model_cards(self._created)
-        return JSONResponse({"object": "list", "data": [model, *adapters]})
+        return [model, *self.lora.model_cards(self._created)]
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        for card in self._model_cards():
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise APIError(
+            404, f"the model {model_id!r} does not exist; this server serves {self.model_name!r}",
+            param="model", code="model_not_found",
+        )  # fmt: skip
 
     async def health(self, request: Request) -> Response:
         """Alive unless the engine loop died, which only a restart cures."""
@@ -515,6 +554,8 @@ def warm_up(core: EngineCore) -> None:
 
 def build_app(core: EngineCore, settings: ServerSettings) -> Starlette:
     server = OpenAIServer(core, settings)
-    app = Starlette(routes=server.routes(), lifespan=server.lifespan)
+    app = Starlette(
+        routes=server.routes(), lifespan=server.lifespan, exception_handlers=ROUTE_ERROR_HANDLERS
+    )
     app.state.server = server
     return app

@@ -25,6 +25,7 @@ from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.lora.adapter import AdapterError
 from llmpool.engine.model_source import ADAPTER_FILES, RevisionMismatchError, adapter_digest
 from llmpool.engine.server.app import ServerSettings, build_app
+from llmpool.engine.server.response_store import StoreLimits
 from llmpool.engine.server.tool_calls import TOOL_CALL_PARSERS
 from llmpool.protocol.limits import DEFAULT_MAX_RESPONSE_TOKENS, STREAMED_RESPONSE_FACTOR
 
@@ -197,6 +198,33 @@ def build_parser() -> argparse.ArgumentParser:
         f" {STREAMED_RESPONSE_FACTOR}x as many; beyond it a request is refused with 400",
         type=int, default=DEFAULT_MAX_RESPONSE_TOKENS,
     )  # fmt: skip
+    store = StoreLimits()
+    flags.add(
+        "--response-store-max-count",
+        "responses kept for previous_response_id and GET /v1/responses/{id} on this replica;"
+        " past it the oldest go; 0 keeps none",
+        type=int, default=store.max_count,
+    )  # fmt: skip
+    flags.add(
+        "--response-store-max-bytes",
+        "bytes of JSON the kept responses and their conversations may hold on this replica",
+        type=int, default=store.max_bytes,
+    )  # fmt: skip
+    flags.add(
+        "--response-store-max-age",
+        "seconds a kept response lives", type=float, default=store.max_age_s,
+    )  # fmt: skip
+    flags.add(
+        "--response-store-per-key",
+        "responses one API key (one gateway tenant) may have kept on this replica",
+        type=int, default=store.max_per_owner,
+    )  # fmt: skip
+    flags.add(
+        "--replica-name",
+        "this replica's name in the ids of its stored responses, by which the gateway finds it;"
+        " default: the host name (the pod's name)",
+        default=None,
+    )
     flags.add(
         "--stats-interval", "seconds between engine stats log lines", type=float, default=10.0
     )
@@ -403,6 +431,10 @@ def _read_arguments(
     chat_template = Path(args.chat_template).read_bytes() if args.chat_template else None
     if args.max_response_tokens < 1:
         raise ValueError(f"--max-response-tokens must be positive, got {args.max_response_tokens}")
+    for flag in ("response_store_max_count", "response_store_max_bytes", "response_store_max_age",
+                 "response_store_per_key"):  # fmt: skip
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be non-negative")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be non-negative, got {args.max_queue}")
     return config, modules, chat_template
@@ -467,7 +499,14 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(
         served_model_name=served_model_name,
         chat_template=chat_template,
+        response_store=StoreLimits(
+            args.response_store_max_count,
+            args.response_store_max_bytes,
+            args.response_store_max_age,
+            args.response_store_per_key,
+        ),  # fmt: skip
         **{flag: getattr(args, flag) for flag in SETTINGS_FLAGS},
+        **({"replica_name": args.replica_name} if args.replica_name else {}),
     )
     return _serve(args, core, settings)
 

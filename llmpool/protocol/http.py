@@ -7,6 +7,7 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -68,3 +69,23 @@ def openai_endpoint(
             )
 
     return endpoint
+
+
+async def route_error(request: Request, error: Exception) -> Response:
+    """Starlette's own 404 (no such route) and 405 (a route without this method) as OpenAI
+    errors, so a client's error handling sees the same shape as from every route."""
+    assert isinstance(error, HTTPException)
+    path = request.url.path
+    headers = dict(error.headers or {})
+    if error.status_code == 405:
+        message = f"{request.method} is not allowed on {path}; it takes {headers.get('Allow')}"
+        api_error = APIError(405, message, code="method_not_allowed", headers=headers)
+    elif error.status_code == 404:
+        api_error = APIError(404, f"there is no route {path}", code="not_found")
+    else:
+        api_error = APIError(error.status_code, error.detail, headers=headers)
+    return error_response(api_error)
+
+
+# ``Starlette(exception_handlers=...)`` of the engine's and the gateway's apps.
+ROUTE_ERROR_HANDLERS = {HTTPException: route_error}

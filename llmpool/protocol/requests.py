@@ -47,11 +47,13 @@ CHAT_FIELDS = (*COMMON_FIELDS, "messages", "top_logprobs", "add_generation_promp
 MAX_TOKENS_FIELDS = {
     "completions": ("max_tokens", "max_completion_tokens"),
     "chat": ("max_completion_tokens", "max_tokens"),
+    # The engine answers it as chat's max_completion_tokens (engine/server/responses_api.py).
+    "responses": ("max_output_tokens",),
 }
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default on /v1/completions
 
 
-def _check_shape(body: dict[str, Any], known: tuple[str, ...]) -> None:
+def check_shape(body: dict[str, Any], known: tuple[str, ...]) -> None:
     """Nesting within MAX_JSON_DEPTH in every field, and unknown fields within
     MAX_UNKNOWN_FIELDS_BYTES together, so that a large body with a tiny prompt is refused."""
     for name, value in body.items():
@@ -73,14 +75,14 @@ def _check_shape(body: dict[str, Any], known: tuple[str, ...]) -> None:
         )
 
 
-def _check_count(value: list[Any] | dict[str, Any], bound: int, param: str, what: str) -> None:
+def check_count(value: list[Any] | dict[str, Any], bound: int, param: str, what: str) -> None:
     if len(value) > bound:
         raise bad_request(
             f"{param} has {len(value):,} {what}; at most {bound:,} are accepted", param=param
         )
 
 
-class _Fields:
+class Fields:
     """Typed access to a JSON object's fields; a wrong type names the field in a 400."""
 
     def __init__(self, body: dict[str, Any]) -> None:
@@ -134,7 +136,7 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def _check_text(value: str, param: str) -> str:
+def check_text(value: str, param: str) -> str:
     """JSON may carry lone surrogates (``"\\ud800"``), which are not text the tokenizer can take."""
     try:
         value.encode("utf-8")
@@ -207,16 +209,18 @@ class OutputLimit:
 
 
 def output_limit(body: dict[str, Any], route: str) -> OutputLimit:
-    """The output-token limit of a ``route`` ("completions" or "chat") request: the one rule
-    that the engine generates by and the gateway counts by, so that the two always agree.
+    """The output-token limit of a ``route`` ("completions", "chat" or "responses") request:
+    the one rule that the engine generates by and the gateway counts by, so that the two always
+    agree.
 
     Both routes read both fields, OpenAI's way: chat's own name is ``max_completion_tokens``
     (``max_tokens`` its deprecated alias), completions' is ``max_tokens``. Given both, they
     must be equal: two different limits in one request is a 400 naming the alias, as no reading
     of it would be the client's for sure. Neither given: 16 on completions (OpenAI's default),
-    none on chat (until EOS or the end of the context).
+    none on chat (until EOS or the end of the context). The Responses API has one name,
+    ``max_output_tokens``, and chat's default.
     """
-    fields = _Fields(body)
+    fields = Fields(body)
     given: dict[str, int] = {}
     for name in MAX_TOKENS_FIELDS[route]:
         value = fields.integer(name, None)
@@ -225,21 +229,22 @@ def output_limit(body: dict[str, Any], route: str) -> OutputLimit:
         if value < 1:
             raise bad_request(f"{name} must be at least 1, got {value}", param=name)
         given[name] = value
-    own, alias = MAX_TOKENS_FIELDS[route]
+    own, *aliases = MAX_TOKENS_FIELDS[route]
     default = COMPLETIONS_DEFAULT_MAX_TOKENS if route == "completions" else None
     if not given:
         return OutputLimit(None, own, default)
     if len(set(given.values())) > 1:
+        alias = aliases[0]
         raise bad_request(
             f"{own} ({given[own]:,}) and {alias} ({given[alias]:,}) are two names for one limit"
             f" and differ; send {own} alone",
             param=alias,
         )
-    name = own if own in given else alias
+    name = own if own in given else aliases[0]
     return OutputLimit(given[name], name, default)
 
 
-def _common(fields: _Fields, route: str) -> dict[str, Any]:
+def _common(fields: Fields, route: str) -> dict[str, Any]:
     n: int = fields.get("n", (int,), 1)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", param="n")
@@ -253,7 +258,7 @@ def _common(fields: _Fields, route: str) -> dict[str, Any]:
         raise bad_request("stream_options.include_usage must be a boolean", param="stream_options")
     stop = _stop(fields.get("stop", (str, list), []))
     stop_token_ids = fields.get("stop_token_ids", (list,), [])
-    _check_count(stop_token_ids, MAX_STOP_TOKEN_IDS, "stop_token_ids", "entries")
+    check_count(stop_token_ids, MAX_STOP_TOKEN_IDS, "stop_token_ids", "entries")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
         raise bad_request("stop_token_ids must be an array of integers", param="stop_token_ids")
     sampling = {
@@ -277,7 +282,7 @@ def _common(fields: _Fields, route: str) -> dict[str, Any]:
     return {
         "model": fields.get("model", (str,)),
         "priority": _priority(fields.get("priority", (int, str))),
-        "cache_salt": None if cache_salt is None else _check_text(cache_salt, "cache_salt"),
+        "cache_salt": None if cache_salt is None else check_text(cache_salt, "cache_salt"),
         "n": n,
         "stream": fields.get("stream", (bool,), False),
         "include_usage": include_usage,
@@ -303,7 +308,7 @@ def _refuse_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
 
 def _stop(value: str | list[Any]) -> list[str]:
     stop = [value] if isinstance(value, str) else value
-    _check_count(stop, MAX_STOP_STRINGS, "stop", "strings")
+    check_count(stop, MAX_STOP_STRINGS, "stop", "strings")
     for text in stop:
         if not isinstance(text, str):
             raise bad_request("stop must be a string or an array of strings", param="stop")
@@ -313,13 +318,13 @@ def _stop(value: str | list[Any]) -> list[str]:
                 f" {len(text):,}",
                 param="stop",
             )
-        _check_text(text, "stop")
+        check_text(text, "stop")
     return stop
 
 
 def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
     """OpenAI's ``{"token id": bias}``; the ids are checked against the vocabulary at admission."""
-    _check_count(value, MAX_LOGIT_BIAS, "logit_bias", "entries")
+    check_count(value, MAX_LOGIT_BIAS, "logit_bias", "entries")
     bias = {}
     for key, amount in value.items():
         if not key.isascii() or not key.isdigit() or len(key) > 18:
@@ -356,9 +361,9 @@ def _logprobs_count(value: int | None, param: str) -> int | None:
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
-    _check_shape(body, COMPLETION_FIELDS)
+    check_shape(body, COMPLETION_FIELDS)
     _refuse_unsupported(body, UNSUPPORTED_FIELDS + COMPLETION_ONLY_UNSUPPORTED)
-    fields = _Fields(body)
+    fields = Fields(body)
     return CompletionRequest(
         **_common(fields, "completions"),
         logprobs=_logprobs_count(fields.integer("logprobs", None), "logprobs"),
@@ -375,7 +380,7 @@ def _parse_prompts(prompt: Any) -> list[str | list[int]]:
         )
 
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        _check_count(prompt, MAX_PROMPTS, "prompt", "prompts")
+        check_count(prompt, MAX_PROMPTS, "prompt", "prompts")
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif is_ids(prompt) and prompt:
@@ -394,14 +399,14 @@ def _parse_prompts(prompt: Any) -> list[str | list[int]]:
         if not p:
             raise bad_request("prompt must not be empty", param="prompt")
         if isinstance(p, str):
-            _check_text(p, "prompt")
+            check_text(p, "prompt")
     return prompts
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
-    _check_shape(body, CHAT_FIELDS)
+    check_shape(body, CHAT_FIELDS)
     _refuse_unsupported(body, UNSUPPORTED_FIELDS)
-    fields = _Fields(body)
+    fields = Fields(body)
     wants_logprobs = fields.get("logprobs", (bool,), False)
     top_logprobs = _logprobs_count(fields.integer("top_logprobs", None), "top_logprobs")
     if top_logprobs is not None and not wants_logprobs:
@@ -417,7 +422,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
 def _parse_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty array", param="messages")
-    _check_count(messages, MAX_MESSAGES, "messages", "messages")
+    check_count(messages, MAX_MESSAGES, "messages", "messages")
     parsed = []
     for index, message in enumerate(messages):
         param = f"messages[{index}]"
@@ -448,14 +453,14 @@ def _tool_fields(message: dict[str, Any], role: str, param: str) -> dict[str, An
                 f"{param}.tool_call_id must be the id of the call this message answers",
                 param=f"{param}.tool_call_id",
             )
-        return {"tool_call_id": _check_text(call_id, f"{param}.tool_call_id")}
+        return {"tool_call_id": check_text(call_id, f"{param}.tool_call_id")}
     calls = message.get("tool_calls")
     if calls is None:
         return {}
     where = f"{param}.tool_calls"
     if role != "assistant" or not isinstance(calls, list):
         raise bad_request(f"{where} must be an array on an assistant message", param=where)
-    _check_count(calls, MAX_TOOL_CALLS, where, "calls")
+    check_count(calls, MAX_TOOL_CALLS, where, "calls")
     checked = []
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
@@ -473,11 +478,11 @@ def _tool_fields(message: dict[str, Any], role: str, param: str) -> dict[str, An
             )
         checked.append(
             {
-                "id": _check_text(call.get("id", ""), where),
+                "id": check_text(call.get("id", ""), where),
                 "type": "function",
                 "function": {
-                    "name": _check_text(function["name"], where),
-                    "arguments": _check_text(function["arguments"], where),
+                    "name": check_text(function["name"], where),
+                    "arguments": check_text(function["arguments"], where),
                 },
             }
         )
@@ -489,9 +494,9 @@ def _message_text(content: Any, param: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return _check_text(content, param)
+        return check_text(content, param)
     if isinstance(content, list):
-        _check_count(content, MAX_CONTENT_PARTS, param, "parts")
+        check_count(content, MAX_CONTENT_PARTS, param, "parts")
         texts = []
         for part in content:
             if (
@@ -502,6 +507,6 @@ def _message_text(content: Any, param: str) -> str:
                 raise bad_request(
                     f'{param} parts must be {{"type": "text", "text": ...}}', param=param
                 )
-            texts.append(_check_text(part["text"], param))
+            texts.append(check_text(part["text"], param))
         return "".join(texts)
     raise bad_request(f"{param} must be a string or an array of text parts", param=param)

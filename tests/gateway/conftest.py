@@ -161,7 +161,12 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
         "--no-access-log",
     ]  # fmt: skip
     folder = tmp_path_factory.mktemp("replicas")
-    servers = [server_fixtures.start_server(args, folder / f"replica-{i}.log") for i in range(2)]
+    servers = [
+        server_fixtures.start_server(
+            [*args, "--replica-name", f"replica-{i}"], folder / f"replica-{i}.log"
+        )
+        for i in range(2)
+    ]
     yield servers
     for server in servers:
         if server.process.poll() is None:

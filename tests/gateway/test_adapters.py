@@ -10,11 +10,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from llmpool.gateway import routing
 from llmpool.gateway.app import Gateway, GatewaySettings, build_app
 from llmpool.gateway.pools import Pool, PoolTable
+from llmpool.protocol.response_ids import TENANT_HEADER, new_response_id, replica_token
 
 NAMESPACE = "team-a"
 MODEL = "smollm2"
@@ -123,3 +125,58 @@ async def test_an_adapter_never_loaded_is_a_503_after_the_hold(gateway) -> None:
     assert response.json()["error"]["code"] == routing.ADAPTER_NOT_RESIDENT
     assert "retry-after" in response.headers
     assert replicas.bodies == {host: [] for host in REPLICAS.values()}
+
+
+async def test_models_retrieve_by_id_and_route_errors_are_openai_shaped(gateway) -> None:
+    _, client, _ = gateway
+    api = openai.AsyncOpenAI(
+        base_url="http://gateway/v1", api_key="unused", http_client=client, max_retries=0
+    )
+    assert (await api.models.retrieve("poet")).model_dump()["parent"] == MODEL
+    assert (await api.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        await api.models.retrieve("absent")
+    assert missing.value.body["param"] == "model" and "'absent'" in missing.value.message
+    unknown = await client.post("/v1/nowhere", json={})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "not_found"
+    wrong = await client.get("/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_responses_carry_the_tenant_and_stored_ids_go_to_their_replica(gateway) -> None:
+    """The engine scopes stored responses by the tenant header: the gateway sets it, whatever the
+    client sends; an id addressed request reaches only the replica its id names."""
+    gw, client, _ = gateway
+    seen: list[tuple[str, str, str | None]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.host, request.headers.get(TENANT_HEADER)))
+        return httpx.Response(
+            200,
+            headers={"content-type": "application/json"},
+            stream=httpx.ByteStream(b'{"object": "response", "output": []}'),
+        )
+
+    await gw.client.aclose()
+    gw.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    forged = {TENANT_HEADER: "someone-else"}
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2}
+    assert (await client.post("/v1/responses", json=body, headers=forged)).status_code == 200
+    held = new_response_id(replica_token("chat-1"))
+    pinned = {**body, "previous_response_id": held}
+    for _ in range(3):
+        assert (await client.post("/v1/responses", json=pinned)).status_code == 200
+    assert (await client.get(f"/v1/responses/{held}", headers=forged)).status_code == 200
+    assert (await client.delete(f"/v1/responses/{held}")).status_code == 200
+    assert {tenant for _, _, tenant in seen} == {"open"}
+    assert [(method, host) for method, host, _ in seen[1:]] == [
+        ("POST", REPLICAS["chat-1"])] * 3 + [("GET", REPLICAS["chat-1"]), ("DELETE", REPLICAS["chat-1"])
+    ]  # fmt: skip
+    for unknown in (new_response_id(replica_token("gone-0")), "resp_x"):
+        missing = await client.get(f"/v1/responses/{unknown}")
+        assert missing.status_code == 404 and unknown in missing.json()["error"]["message"]
+        lost = await client.post("/v1/responses", json={**body, "previous_response_id": unknown})
+        assert lost.status_code == 404
+        assert lost.json()["error"]["param"] == "previous_response_id"

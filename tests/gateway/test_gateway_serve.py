@@ -14,6 +14,7 @@ import pytest
 from llmpool.gateway import routing
 from llmpool.gateway.app import GatewaySettings
 from llmpool.gateway.pools import Pool, PoolTable, Replica
+from llmpool.protocol.response_ids import replica_token, token_of
 
 MODEL = "smollm2-135m-instruct"  # the served name of `llmpool serve` without --served-model-name
 NAMESPACE = "team-a"
@@ -99,6 +100,48 @@ def test_completions_and_chat_equal_a_direct_call(replicas, chat_table, start_ga
     assert chat.choices[0].message.content == expected_chat.choices[0].message.content
     assert chat.usage == expected_chat.usage
     assert [m.id for m in through.models.list().data] == [MODEL]
+
+
+def test_responses_continue_on_the_replica_that_stored_them(
+    replicas, chat_table, start_gateway
+) -> None:
+    """First turns spread over both replicas (their instructions differ); each second turn,
+    retrieve and delete through the gateway reach the replica that holds the first."""
+    gateway = start_gateway(chat_table, QUIET)
+    through = client(gateway.url)
+    asked: dict[str, Any] = {"model": MODEL, "max_output_tokens": 6, "temperature": 0}
+    holders = {replica_token(replica_name(i)): i for i in range(len(replicas))}
+    seen: set[int] = set()
+    for topic in range(12):
+        instructions = f"You are assistant number {topic}."
+        first = through.responses.create(
+            instructions=instructions, input="My name is Ada.", **asked
+        )
+        seen.add(holders[token_of(first.id)])
+        second = through.responses.create(
+            instructions=instructions, input="What is my name?", previous_response_id=first.id,
+            **asked,
+        )  # fmt: skip
+        history = [
+            {"role": "system", "content": instructions},
+            {"role": "user", "content": "My name is Ada."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"},
+        ]
+        chat = through.chat.completions.create(
+            model=MODEL, messages=history, max_tokens=6, temperature=0
+        )
+        assert second.output_text == chat.choices[0].message.content
+        assert through.responses.retrieve(second.id).output_text == second.output_text
+        through.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError) as gone:
+            through.responses.retrieve(first.id)
+        assert first.id in gone.value.message
+        if len(seen) == len(replicas):
+            break
+    assert seen == set(range(len(replicas)))
+    with pytest.raises(openai.NotFoundError):
+        through.responses.retrieve("resp_000000000000_" + "0" * 32)
 
 
 def test_streaming_passes_chunks_through(replicas, chat_table, start_gateway) -> None:

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from llmpool.engine.server.responses_api import parse_responses_request
+from llmpool.engine.server.responses_output import ResponseShape, usage
 from llmpool.gateway.request import UNSAID_CHAT_MAX_TOKENS, read_facts
 from llmpool.gateway.usage import BodyUsage, StreamUsage, Usage
 from llmpool.protocol.errors import APIError
@@ -72,6 +74,40 @@ def test_a_bad_limit_is_the_same_400_from_both(path: str, field: str, value: Any
         read_facts(json.dumps(body).encode(), path, 64)
     assert engine_error.value.status == 400 and engine_error.value.param == field
     assert engine_error.value.body() == gateway_error.value.body()
+
+
+@pytest.mark.parametrize("max_output_tokens", [None, 5])
+def test_a_responses_request_is_reserved_what_the_engine_generates(
+    max_output_tokens: int | None,
+) -> None:
+    """The engine answers /v1/responses on the chat path, max_output_tokens as chat's limit."""
+    body: dict[str, Any] = {"model": "m", "input": "hi", "stream": True}
+    if max_output_tokens is not None:
+        body["max_output_tokens"] = max_output_tokens
+    _, chat = parse_responses_request(body, [])
+    engine_limit = parse_chat_request(chat).max_tokens
+    facts = read_facts(json.dumps(body).encode(), "/v1/responses", 64)
+    assert engine_limit == max_output_tokens
+    assert facts.max_tokens == (max_output_tokens or UNSAID_CHAT_MAX_TOKENS)
+    assert not facts.forces_usage  # a Responses stream always ends with its usage
+
+
+def test_a_responses_usage_is_read_from_its_stream_and_its_body() -> None:
+    """The response object names the tokens input and output, in its last event of a stream;
+    in a body its usage is the last field, after whatever the request echoes."""
+    shape = ResponseShape("resp_1", "m", {"instructions": "x" * 10_000}, store=False)
+    done = shape.response("done", [], usage(7, 3), finish_reason="stop")
+    event = {"type": "response.completed", "sequence_number": 9, "response": done}
+    stream = (
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta"}\n\n'
+        + b"event: response.completed\ndata: " + json.dumps(event).encode() + b"\n\n"
+    )  # fmt: skip
+    reader = StreamUsage(forward=False)
+    assert reader.feed(stream) + reader.flush() == stream  # nothing of a response is kept back
+    assert reader.usage == Usage(7, 3)
+    body = BodyUsage()
+    body.feed(json.dumps(done).encode())
+    assert body.usage == Usage(7, 3)
 
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}

@@ -47,6 +47,21 @@ def test_health_ready_and_models(server, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_models_retrieve_and_route_errors_are_openai_shaped(server, client: openai.OpenAI) -> None:
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.model_dump()["max_model_len"] == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("absent-model")
+    assert missing.value.body["code"] == "model_not_found"
+    assert "'absent-model'" in missing.value.message
+    unknown = httpx.post(f"{server.url}/v1/responses-nowhere", json={}, timeout=30)
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["message"] == "there is no route /v1/responses-nowhere"
+    wrong = httpx.delete(f"{server.url}/v1/completions", timeout=30)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_completion_stream_equals_non_stream(client: openai.OpenAI) -> None:
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
     choice = whole.choices[0]
