@@ -92,6 +92,8 @@ def _engine_error(error: Exception) -> APIError:
         return bad_request(str(error), param="prompt", code="context_length_exceeded")
     if isinstance(error, InvalidRequestError):
         return bad_request(str(error), param=error.param)
+    if isinstance(error, RequestFailedError) and error.code is not None:
+        return bad_request(str(error), param="structured_outputs", code=error.code)
     if isinstance(error, RequestFailedError):
         return APIError(
             500, f"the engine failed this request: {error}", type="internal_error",
@@ -142,6 +144,7 @@ class OpenAIServer:
             self.model_name, None if core.lora is None else core.lora.max_loras
         )
         core.structured_outputs.on_compile = self.metrics.on_grammar_compiled
+        core.structured_outputs.on_mask = self.metrics.on_grammar_mask
         self.engine = AsyncEngine(core, settings.max_queue, self.metrics)
         self.lora = LoraRoutes(core, self.engine, self.model_name)
         chat_template = settings.chat_template.decode("utf-8") if settings.chat_template else None
