@@ -145,6 +145,7 @@ class OpenAIServer:
         )
         core.structured_outputs.on_compile = self.metrics.on_grammar_compiled
         core.structured_outputs.on_mask = self.metrics.on_grammar_mask
+        self.metrics.set_grammar_budget(core.structured_outputs.budget)
         self.engine = AsyncEngine(core, settings.max_queue, self.metrics)
         self.lora = LoraRoutes(core, self.engine, self.model_name)
         chat_template = settings.chat_template.decode("utf-8") if settings.chat_template else None

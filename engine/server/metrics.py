@@ -18,6 +18,7 @@ from prometheus_client import Counter, Gauge
 from llmpool.engine.engine_core import EngineStats
 from llmpool.engine.outputs import RequestDelta
 from llmpool.engine.server.async_engine import StepObserver
+from llmpool.engine.structured_outputs import GrammarBudget
 from llmpool.prometheus import Series
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -197,6 +198,12 @@ class EngineMetrics(StepObserver):
             "One request's structured-output mask for one token.",
             GRAMMAR_MASK_BUCKETS,
         )
+        self.grammar_budget = self.series.gauge(
+            "grammar_budget",
+            "The engine's grammar budgets: step_seconds (--grammar-step-budget-ms),"
+            " request_seconds (--grammar-request-budget-s), compile_fuel (--grammar-compile-fuel).",
+            ("limit",),
+        )
         self.grammar_rows_deferred = counter(
             "grammar_rows_deferred",
             "Rows that skipped a step: their mask was not ready within --grammar-step-budget-ms.",
@@ -253,6 +260,14 @@ class EngineMetrics(StepObserver):
         with self._totals_lock:
             self._count_increments(self.totals.engine, stats)
             self.totals.engine = stats
+
+    def set_grammar_budget(self, budget: GrammarBudget) -> None:
+        """The engine's grammar budgets (its --grammar-* flags), exported as gauges."""
+        self.grammar_budget.labels(limit="step_seconds", **self._model).set(budget.step_seconds)
+        self.grammar_budget.labels(limit="request_seconds", **self._model).set(
+            budget.request_seconds
+        )
+        self.grammar_budget.labels(limit="compile_fuel", **self._model).set(budget.compile_fuel)
 
     def on_grammar_mask(self, seconds: float) -> None:
         """Called by the engine's mask workers, once per request and token."""
