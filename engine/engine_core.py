@@ -321,6 +321,8 @@ class EngineCore(LoadedEngine):
             if request.grammar.is_complete:
                 ended = True
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            elif not request.status.finished:  # the next mask starts now, beside the next forward
+                self.structured_outputs.start_mask(request.grammar)
         stop_string = detokenizer.add_token(token_id)
         if stop_string is not None and not request.status.finished:
             ended = True

@@ -27,7 +27,9 @@ as it is.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -49,6 +51,7 @@ GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped 
 # Threads computing masks: a pathological grammar holds one for its whole step (llguidance
 # cannot be interrupted), so a second keeps the other grammars' masks coming.
 MASK_WORKERS = 2
+MASK_WORKER_NICENESS = 10  # added to the workers' nice value (benchmarks/grammar_isolation.py)
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,9 @@ class StructuredOutputManager:
         self._limits = self.budget.limits()
         # The workers run no torch op, so they never start a second OpenMP thread team (see
         # async_engine.py for why that matters on CPU); llguidance releases the GIL.
-        self._workers = ThreadPoolExecutor(MASK_WORKERS, thread_name_prefix="grammar-masks")
+        self._workers = ThreadPoolExecutor(
+            MASK_WORKERS, thread_name_prefix="grammar-masks", initializer=_yield_to_the_engine
+        )
         # Called as (kind, seconds, cache_hit) after each compile; the server's metrics set it.
         self.on_compile: Callable[[str, float, bool], None] | None = None
         # Called (on a worker) with each mask's seconds; the server's metrics set it.
@@ -351,3 +356,10 @@ class StructuredOutputManager:
             f"the output grammar spent its mask budget of {self.budget.request_seconds:g} s"
             " (make it less ambiguous)"
         )
+
+
+def _yield_to_the_engine() -> None:
+    """Run this mask worker below the engine thread's CPU priority (Linux: per thread), so that a
+    hostile grammar's masks take the CPU the forward passes leave, not the forwards' own."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MASK_WORKER_NICENESS)
