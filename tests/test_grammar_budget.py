@@ -17,6 +17,7 @@ from llmpool.engine import SamplingParams, StructuredOutputsParams
 from llmpool.engine.config import EngineConfig
 from llmpool.engine.engine_core import EngineCore
 from llmpool.engine.outputs import RequestDelta
+from llmpool.engine.request import Request
 from llmpool.engine.sampler import LOGPROB_FLOOR
 
 # Ambiguous (``e e`` and ``e e e`` split any run many ways): its Earley sets grow with the output,
@@ -75,46 +76,89 @@ def prompt_ids(core: EngineCore) -> list[int]:
     return core.tokenizer.encode(PROMPT, add_special_tokens=False)
 
 
-def test_a_late_mask_defers_its_row_alone_and_changes_no_token(
-    core: EngineCore, budget: None
-) -> None:
-    """A row whose mask is not ready samples nothing and keeps its blocks and position; the plain
-    row beside it gets a token every step; once the mask is in, the row goes on to the same
-    tokens as undisturbed."""
+@dataclasses.dataclass
+class LateMask:
+    """A grammar request ("late") and a plain one, both past their first token, with the late
+    one's next mask held back until the test sets ``held``; and their undisturbed tokens."""
+
+    late: Request
+    held: Future[object]
+    deltas: dict[str, list[RequestDelta]]
+    undisturbed: list[int]
+    plain_alone: list[int]
+    free_blocks: int
+
+    def finish(self, core: EngineCore) -> None:
+        """Release the mask, run to the end, and check both requests' tokens and the blocks."""
+        self.held.set_result(core.structured_outputs.masks([self.late.grammar])[0])
+        for request_id, more in run(core).items():
+            self.deltas.setdefault(request_id, []).extend(more)
+        assert tokens(self.deltas["late"]) == self.undisturbed
+        assert tokens(self.deltas["plain"]) == self.plain_alone
+        assert core.kv_cache_manager.num_free_blocks == self.free_blocks
+
+
+def hold_a_mask(core: EngineCore) -> LateMask:
     grammar = "start: /[a-z ]+/"
     ids = prompt_ids(core)
     core.add_request("alone", ids, greedy(12, grammar))
     undisturbed = tokens(run(core)["alone"])
     core.add_request("plain-alone", ids, greedy(12))
     plain_alone = tokens(run(core)["plain-alone"])
-
     manager = core.structured_outputs
     patient = dataclasses.replace(manager.budget, step_seconds=60.0)
     free = core.kv_cache_manager.num_free_blocks
-    deferred_before = core.stats().grammar_rows_deferred
     core.add_request("late", ids, greedy(12, grammar))
     core.add_request("plain", ids, greedy(12))
     manager.budget = patient
     deltas = {d.request_id: [d] for d in core.step()}  # prefill: both sample their first token
     manager.budget = dataclasses.replace(patient, step_seconds=0.0)
     late = core.scheduler.requests["late"]
-    held = Future[object]()  # the mask is not ready until this test says so
+    held = Future[object]()  # the mask is not ready until the test says so
     late.grammar.next_mask = held  # type: ignore[union-attr,assignment]
+    return LateMask(late, held, deltas, undisturbed, plain_alone, free)
+
+
+def step_beside(core: EngineCore, case: LateMask) -> None:
+    """One step in which the late row samples nothing and the plain row one token."""
+    step = {d.request_id: d for d in core.step()}
+    assert "late" not in step and len(step["plain"].new_token_ids) == 1
+    case.deltas["plain"].append(step["plain"])
+    assert case.late.num_computed_tokens == case.late.num_tokens - 1  # its last token runs again
+    assert case.late.num_output_tokens == 1
+
+
+def test_a_late_mask_defers_its_row_alone_and_changes_no_token(
+    core: EngineCore, budget: None
+) -> None:
+    """A row whose mask is not ready samples nothing and keeps its blocks and position; the plain
+    row beside it gets a token every step; once the mask is in, the row goes on to the same
+    tokens as undisturbed."""
+    deferred_before = core.stats().grammar_rows_deferred
+    case = hold_a_mask(core)
     blocks = list(core.kv_cache_manager.block_tables["late"])
     for _ in range(3):
-        step = {d.request_id: d for d in core.step()}
-        assert "late" not in step and len(step["plain"].new_token_ids) == 1
-        deltas["plain"].append(step["plain"])
-        assert late.num_computed_tokens == late.num_tokens - 1  # its last token runs again
-        assert late.num_output_tokens == 1
+        step_beside(core, case)
         assert core.kv_cache_manager.block_tables["late"] == blocks
     assert core.stats().grammar_rows_deferred - deferred_before == 3
-    held.set_result(manager.masks([late.grammar])[0])
-    for request_id, more in run(core).items():
-        deltas.setdefault(request_id, []).extend(more)
-    assert tokens(deltas["late"]) == undisturbed
-    assert tokens(deltas["plain"]) == plain_alone
-    assert core.kv_cache_manager.num_free_blocks == free
+    case.finish(core)
+
+
+def test_a_deferred_row_is_preempted_and_resumes_the_same(core: EngineCore, budget: None) -> None:
+    """Preempted while it waits for its mask, the row gives its blocks back, is recomputed when
+    admitted again, waits again, and ends with its undisturbed tokens."""
+    case = hold_a_mask(core)
+    step_beside(core, case)
+    scheduler = core.scheduler
+    holding = core.kv_cache_manager.num_free_blocks
+    scheduler.running.remove(case.late)
+    scheduler._preempt(case.late)  # as _make_room does when the pool runs short
+    assert core.kv_cache_manager.num_free_blocks > holding
+    assert case.late.num_computed_tokens == 0
+    for _ in range(2):
+        step_beside(core, case)  # admitted again, recomputed, deferred
+    assert case.late.num_preemptions == 1
+    case.finish(core)
 
 
 def test_a_pathological_grammar_beside_a_plain_request(core: EngineCore) -> None:
