@@ -116,6 +116,11 @@ class EngineConfig:
     # Prompt-lookup speculative decoding (engine/spec_decode): None (off), or vLLM's
     # --speculative-config as a SpeculativeConfig, a dict or its JSON text.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # What one request's output grammar may cost (structured_outputs.GrammarBudget): lexer fuel
+    # per compile, how long a step waits for a row's mask, the mask time a request may spend.
+    grammar_compile_fuel: int = 1_000_000
+    grammar_step_budget_ms: float = 20.0
+    grammar_request_budget_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
@@ -180,6 +185,14 @@ class EngineConfig:
             (
                 1 <= self.max_lora_rank <= 256,
                 f"max_lora_rank must be in 1..256, got {self.max_lora_rank}",
+            ),
+            (
+                self.grammar_compile_fuel >= 1
+                and self.grammar_step_budget_ms >= 0
+                and self.grammar_request_budget_s > 0,
+                "grammar budgets: compile fuel at least 1, step budget at least 0 ms, request"
+                f" budget above 0 s; got {self.grammar_compile_fuel},"
+                f" {self.grammar_step_budget_ms}, {self.grammar_request_budget_s}",
             ),
             (
                 not (self.compile and self.enable_lora),

@@ -17,7 +17,12 @@ from llmpool.engine.outputs import RequestDelta
 from llmpool.engine.request import Request, RequestStatus
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.scheduler import Scheduler
-from llmpool.engine.structured_outputs import GrammarError, StructuredOutputManager
+from llmpool.engine.structured_outputs import (
+    GrammarBudget,
+    GrammarBudgetExceeded,
+    GrammarError,
+    StructuredOutputManager,
+)
 from llmpool.protocol.priority import PRIORITY_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,8 @@ class EngineStats:
     grammar_mask_seconds: float = 0.0  # structured-output masks, computed beside the forwards
     grammar_wait_seconds: float = 0.0  # of that, what steps waited for after their forward
     grammar_steps: int = 0  # steps that computed masks
+    grammar_rows_deferred: int = 0  # rows that skipped a step: their mask was not ready in time
+    grammar_budget_exceeded: int = 0  # requests ended for their grammar's budget
     # Speculative decoding (running totals): steps of a request that carried drafts, the draft
     # tokens, and those accepted; the acceptance rate is accepted / draft tokens.
     spec_decode_num_drafts: int = 0
@@ -66,7 +73,14 @@ class EngineCore(LoadedEngine):
             # would make it a reference cycle, whose model and KV cache only a full gc frees.
             self.scheduler.on_finish = self.lora.finished
         self.structured_outputs = StructuredOutputManager(
-            self.tokenizer, self.shape.vocab_size, self.eos_token_ids
+            self.tokenizer,
+            self.shape.vocab_size,
+            self.eos_token_ids,
+            GrammarBudget(
+                config.grammar_compile_fuel,
+                config.grammar_step_budget_ms / 1000,
+                config.grammar_request_budget_s,
+            ),
         )
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.kv_cache_manager, self.device, self.structured_outputs
@@ -229,7 +243,9 @@ class EngineCore(LoadedEngine):
                 result.sampling_requests, result.sampled.logprobs, strict=True
             )
         }
-        changed = self.scheduler.update_from_output(scheduled, token_by_request)
+        changed = self.scheduler.update_from_output(
+            scheduled, token_by_request, frozenset(r.request_id for r in result.deferred)
+        )
         for request, num_new in changed:
             try:
                 deltas.append(
@@ -242,10 +258,15 @@ class EngineCore(LoadedEngine):
 
     def _fail(self, request: Request, error: Exception) -> RequestDelta:
         """End one request whose own work raised; its blocks are freed and the loop goes on."""
-        logger.error(
-            "request %s failed in the engine step and was ended: %s: %s",
-            request.request_id, type(error).__name__, error, exc_info=error,
-        )  # fmt: skip
+        code = None
+        if isinstance(error, GrammarBudgetExceeded):  # the request's, not the engine's fault
+            code = error.code
+            logger.warning("request %s was ended: %s", request.request_id, error)
+        else:
+            logger.error(
+                "request %s failed in the engine step and was ended: %s: %s",
+                request.request_id, type(error).__name__, error, exc_info=error,
+            )  # fmt: skip
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
         self.detokenizers.pop(request.request_id, None)
         return RequestDelta(
@@ -256,7 +277,8 @@ class EngineCore(LoadedEngine):
             finish_reason=RequestStatus.FINISHED_ERROR.value,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            error=f"{type(error).__name__}: {error}",
+            error=str(error) if code else f"{type(error).__name__}: {error}",
+            error_code=code,
         )
 
     def _delta(
@@ -299,6 +321,8 @@ class EngineCore(LoadedEngine):
             if request.grammar.is_complete:
                 ended = True
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            elif not request.status.finished:  # the next mask starts now, beside the next forward
+                self.structured_outputs.start_mask(request.grammar)
         stop_string = detokenizer.add_token(token_id)
         if stop_string is not None and not request.status.finished:
             ended = True
@@ -319,6 +343,8 @@ class EngineCore(LoadedEngine):
             grammar_mask_seconds=self.runner.timings.grammar_mask,
             grammar_wait_seconds=self.runner.timings.grammar_wait,
             grammar_steps=self.runner.timings.grammar_steps,
+            grammar_rows_deferred=self.runner.timings.grammar_deferred,
+            grammar_budget_exceeded=self.runner.timings.grammar_budget_exceeded,
             spec_decode_num_drafts=self.scheduler.spec_decoding.num_drafts,
             spec_decode_num_draft_tokens=self.scheduler.spec_decoding.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.scheduler.spec_decoding.num_accepted_tokens,

@@ -4,12 +4,16 @@ Preparing inputs and sampling are per-request work done in batches; if a batch r
 runner redoes it one request at a time, so that the request at fault fails alone (its error is
 returned) and the others go on. The forward pass has no such fallback: a fault there is the
 model's, and it stops the loop.
+
+A row whose grammar mask is not ready within the step budget is deferred: it samples nothing,
+and the scheduler counts its last token as not computed, so the next step runs it again
+(structured_outputs.py, ``GrammarBudget``).
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +26,11 @@ from llmpool.engine.models.llama import LlamaForCausalLM
 from llmpool.engine.request import Request
 from llmpool.engine.sampler import Sampler, SamplerOutput
 from llmpool.engine.scheduler import SchedulerOutput
-from llmpool.engine.structured_outputs import StructuredOutputManager
+from llmpool.engine.structured_outputs import GrammarMatcher, StructuredOutputManager
+
+# When every row of a step waits for its mask, the step waits this long for one of them rather
+# than run the same forward again at once.
+IDLE_MASK_WAIT_SECONDS = 0.05
 
 
 @dataclass
@@ -38,6 +46,8 @@ class StepTimings:
     grammar_mask: float = 0.0  # structured-output masks, computed beside the forward pass
     grammar_wait: float = 0.0  # of that, the part the step waited for after its forward
     grammar_steps: int = 0  # steps that had masks to compute
+    grammar_deferred: int = 0  # rows that sampled nothing: their mask was not ready in budget
+    grammar_budget_exceeded: int = 0  # requests ended: mask budget spent, or grammar refused
 
 
 @dataclass
@@ -55,6 +65,7 @@ class StepResult:
     sampling_requests: list[Request]  # the requests that sampled, in the order of the tokens
     sampled: SamplerOutput
     failed: list[tuple[Request, Exception]]  # requests whose own rows raised, and why
+    deferred: list[Request] = field(default_factory=list)  # rows whose mask was not ready
 
 
 class ModelRunner:
@@ -74,10 +85,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.timings = StepTimings()
         self.structured_outputs = structured_outputs
-        # One worker computes grammar masks while this thread runs the forward pass: llguidance
-        # and torch's ops both release the GIL. The worker runs no torch op, so it never starts
-        # a second OpenMP thread team (see async_engine.py for why that matters on CPU).
-        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     def prepare_inputs(self, scheduled: SchedulerOutput) -> ModelInputs:
         """Flatten the step: token ids, positions, slots and block tables, built with numpy."""
@@ -172,45 +179,99 @@ class ModelRunner:
         if inputs is None:
             self.timings.prepare_inputs += prepared - started
             return StepResult([], SamplerOutput(token_ids=[], logprobs=[]), failed)
-        masks = self._start_masks(inputs.sampling_requests)
+        grammars = self._start_masks(inputs.sampling_requests)
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
         )
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).cpu()
         forwarded = time.perf_counter()
-        allowed = self._finish_masks(masks)
-        sampling_requests, sampled = self._sample_isolating(
-            logits, inputs.sampling_requests, allowed, failed
+        requests, logits, allowed, deferred = self._finish_masks(
+            inputs.sampling_requests, grammars, logits, failed
         )
+        if deferred and len(deferred) == len(scheduled.requests):
+            self._wait_for_any(deferred)
+        masked = time.perf_counter()
+        sampling_requests, sampled = self._sample_isolating(logits, requests, allowed, failed)
         finished = time.perf_counter()
         self.timings.prepare_inputs += prepared - started
         self.timings.forward += forwarded - prepared
-        self.timings.sample += finished - forwarded
+        self.timings.grammar_wait += masked - forwarded
+        self.timings.sample += finished - masked
         self.timings.steps += 1
-        return StepResult(sampling_requests, sampled, failed)
+        return StepResult(sampling_requests, sampled, failed, deferred)
 
-    def _start_masks(self, requests: list[Request]) -> Future[tuple[np.ndarray, float]] | None:
-        """Start computing the grammar masks of the rows that sample, if any has a grammar."""
-        if self.structured_outputs is None or all(r.grammar is None for r in requests):
-            return None
-        manager = self.structured_outputs
+    def _start_masks(self, requests: list[Request]) -> list[GrammarMatcher | None]:
+        """Start (unless started) the next masks of the rows that sample with a grammar."""
         grammars = [r.grammar for r in requests]
+        if self.structured_outputs is not None:
+            for grammar in grammars:
+                if grammar is not None:
+                    self.structured_outputs.start_mask(grammar)
+        return grammars
 
-        def compute() -> tuple[np.ndarray, float]:
-            started = time.perf_counter()
-            return manager.masks(grammars), time.perf_counter() - started
+    def _finish_masks(
+        self,
+        requests: list[Request],
+        grammars: list[GrammarMatcher | None],
+        logits: torch.Tensor,
+        failed: list[tuple[Request, Exception]],
+    ) -> tuple[list[Request], torch.Tensor, torch.Tensor | None, list[Request]]:
+        """The rows that sample, their logits and masks, and the rows deferred.
 
-        return self._mask_worker.submit(compute)
-
-    def _finish_masks(self, masks: Future[tuple[np.ndarray, float]] | None) -> torch.Tensor | None:
-        if masks is None:
-            return None
-        waited = time.perf_counter()
-        allowed, seconds = masks.result()
-        self.timings.grammar_wait += time.perf_counter() - waited
-        self.timings.grammar_mask += seconds
+        A grammar row waits for its mask up to the step budget; not ready, it is deferred; over
+        its request budget (or refused by llguidance), it fails with GrammarBudgetExceeded.
+        """
+        manager = self.structured_outputs
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if manager is None or not rows:
+            return requests, logits, None, []
+        outcomes = dict(
+            zip(rows, manager.collect([g for g in grammars if g is not None]), strict=True)
+        )
         self.timings.grammar_steps += 1
-        return torch.from_numpy(allowed)
+        kept: list[int] = []
+        masks: list[np.ndarray | None] = []
+        deferred: list[Request] = []
+        for index, request in enumerate(requests):
+            outcome = outcomes.get(index)
+            if isinstance(outcome, Exception):
+                self.timings.grammar_budget_exceeded += 1
+                failed.append((request, outcome))
+            elif index in outcomes and outcome is None:
+                self.timings.grammar_deferred += 1
+                deferred.append(request)
+            else:
+                if outcome is not None and request.grammar is not None:
+                    self.timings.grammar_mask += request.grammar.last_mask_seconds
+                kept.append(index)
+                masks.append(outcome)
+        allowed = (
+            torch.from_numpy(
+                np.stack(
+                    [np.ones(manager.vocab_size, dtype=bool) if m is None else m for m in masks]
+                )
+            )
+            if masks
+            else None
+        )
+        if len(kept) == len(requests):
+            return requests, logits, allowed, deferred
+        # Each request has one logits row and one per draft (grammar rows carry no drafts).
+        counts = np.array([len(r.spec_token_ids) + 1 for r in requests])
+        starts = np.cumsum(counts) - counts
+        logit_rows = [row for i in kept for row in range(starts[i], starts[i] + counts[i])]
+        return (
+            [requests[i] for i in kept],
+            logits.index_select(0, torch.tensor(logit_rows, dtype=torch.long)),
+            allowed,
+            deferred,
+        )
+
+    @staticmethod
+    def _wait_for_any(deferred: list[Request]) -> None:
+        """Every row of the step waits for its mask: wait for one before stepping again."""
+        futures = [r.grammar.next_mask for r in deferred if r.grammar is not None]
+        wait([f for f in futures if f is not None], IDLE_MASK_WAIT_SECONDS, FIRST_COMPLETED)
 
     def _prepare_isolating(
         self, scheduled: SchedulerOutput, failed: list[tuple[Request, Exception]]

@@ -19,6 +19,7 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # what failed the request when finish_reason is "error"
+    error_code: str | None = None  # set when the request's own input failed it (a 4xx, not 500)
 
 
 @dataclass

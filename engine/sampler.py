@@ -21,6 +21,9 @@ from llmpool.engine.request import Request
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.spec_decode import rejection
 
+# The logprob reported for a token that could not be drawn (OpenAI reports -9999.0 too).
+LOGPROB_FLOOR = -9999.0
+
 
 @dataclass
 class SamplerOutput:
@@ -191,6 +194,9 @@ class Sampler:
     ) -> list[dict[int, float] | None]:
         if raw_logprobs is None:
             return [None] * len(token_ids)
+        # Tokens a grammar or ban masks out have -inf: reported at OpenAI's floor, as JSON has
+        # no infinity.
+        raw_logprobs = raw_logprobs.nan_to_num(nan=LOGPROB_FLOOR).clamp(min=LOGPROB_FLOOR)
         result: list[dict[int, float] | None] = []
         for row, (p, token_id) in enumerate(zip(params, token_ids, strict=True)):
             if p.logprobs is None:

@@ -244,7 +244,10 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: dict[str, list[int]],
+        deferred: frozenset[str] = frozenset(),
     ) -> list[tuple[Request, int]]:
         """Advance counters, append sampled tokens, finish what hit a stop; return what changed,
         each request with the number of tokens it gained.
@@ -253,6 +256,10 @@ class Scheduler:
         only those count as computed. The K/V its rejected drafts wrote stays in its slots until
         real tokens overwrite it (as in vLLM V1). Tokens are checked for stops in order, and the
         request ends at the first one, without the tokens after it.
+
+        A ``deferred`` request (its grammar mask was not ready) sampled nothing although its
+        last token ran: that token counts as not computed, so the next step runs it again (the
+        same K/V into the same slot) and samples then. It keeps its blocks; nothing else changes.
         """
         changed = []
         for request, num_scheduled in zip(
@@ -260,6 +267,9 @@ class Scheduler:
         ):
             num_drafts = len(request.spec_token_ids)
             request.spec_token_ids = []
+            if request.request_id in deferred:
+                request.num_computed_tokens += num_scheduled - num_drafts - 1
+                continue
             token_ids = sampled_token_ids.get(request.request_id)
             if token_ids is None:
                 request.num_computed_tokens += num_scheduled

@@ -9,6 +9,15 @@ are bounded), and it depends on nothing (xgrammar requires torch, transformers a
 step is slower (0.05 ms against 0.01 ms a token), which is small beside a decode step and
 overlapped with the forward pass (``ModelRunner``).
 
+Fuel bounds one mask step's work, not its time: an ambiguous Lark grammar's Earley sets grow
+with the output, and each step stays under the item limit while taking 0.06 to 0.3 s (1 to 5 s
+on a busy machine). So the cost is bounded per request instead (``GrammarBudget``): each
+request's next mask is computed on a worker thread as soon as its last token is accepted; a
+step waits for it at most ``step_seconds`` from when it started, and a row not ready by then
+is deferred (it samples nothing this step; the other rows step on). A request whose masks
+have taken ``request_seconds`` in all, or whose grammar llguidance refuses mid-generation
+(its fuel or item limit), is ended with ``GrammarBudgetExceeded`` (a 400 from the server).
+
 A compiled grammar is cached per spec as a pristine matcher; each request (each of ``n``
 choices) starts from a deep copy of it (microseconds), so the engine thread never compiles
 what the server compiled beforehand. A matcher lives on its ``Request``: it has consumed exactly
@@ -18,11 +27,14 @@ as it is.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,21 +48,54 @@ if TYPE_CHECKING:
 MAX_SPEC_BYTES = 64 * 1024  # a schema, regex or grammar's text; larger is refused
 MAX_CHOICES = 1024
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
-# llguidance's fuel budgets bound a compile (lexer fuel, grammar size) and each mask step
-# (lexer fuel, Earley items); verbose errors would echo the schema into logs and responses.
-LIMITS = llguidance.LLParserLimits(
-    initial_lexer_fuel=1_000_000,  # ~20 ms of regex analysis per compile
-    step_lexer_fuel=200_000,  # ~15 ms per mask step, at most
-    step_max_items=50_000,
-    max_grammar_size=200_000,
-    verbose_errors=False,
-)
+# Threads computing masks: a pathological grammar holds one for its whole step (llguidance
+# cannot be interrupted), so a second keeps the other grammars' masks coming.
+MASK_WORKERS = 2
+MASK_WORKER_NICENESS = 10  # added to the workers' nice value (benchmarks/grammar_isolation.py)
+
+
+@dataclass(frozen=True)
+class GrammarBudget:
+    """What one request's grammar may cost (engine flags ``--grammar-*``; docs/architecture.md).
+
+    ``compile_fuel``: llguidance's lexer fuel for a compile (1M is ~20 ms of regex analysis);
+    more is refused with 400. ``step_seconds``: how long a step waits for a row's mask, counted
+    from when its computation started (masks of ordinary schemas take 0.05 ms; llguidance's step
+    fuel alone allows ~15 ms). ``request_seconds``: the mask time a request may spend in all
+    (a 4,096-token JSON answer spends ~0.2 s).
+    """
+
+    compile_fuel: int = 1_000_000
+    step_seconds: float = 0.02
+    request_seconds: float = 5.0
+
+    def limits(self) -> llguidance.LLParserLimits:
+        """llguidance's fuel budgets: a compile (lexer fuel, grammar size) and each mask step
+        (lexer fuel, Earley items); verbose errors would echo the schema into logs and responses."""
+        return llguidance.LLParserLimits(
+            initial_lexer_fuel=self.compile_fuel,
+            step_lexer_fuel=200_000,  # ~15 ms of lexing per mask step
+            step_max_items=50_000,
+            max_grammar_size=200_000,
+            verbose_errors=False,
+        )
+
+
 # vLLM's JSON defaults: whitespace between tokens is allowed, as models write it.
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": True}
 
 
 class GrammarError(ValueError):
     """A spec that cannot become a grammar: too large, invalid, or over the compile budget."""
+
+
+class GrammarBudgetExceeded(RuntimeError):
+    """A request's grammar spent its mask budget, or llguidance refused it mid-generation.
+
+    The request alone is ended; the server answers 400 ``grammar_budget_exceeded`` (an error
+    event on a stream)."""
+
+    code = "grammar_budget_exceeded"
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,6 +174,18 @@ class GrammarMatcher:
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
+        # The next token's mask, computing or computed (StructuredOutputManager.start_mask);
+        # None once a token is accepted, until the next is asked for.
+        self.next_mask: Future[np.ndarray] | None = None
+        self.mask_started = 0.0  # perf_counter when next_mask was asked for
+        self.mask_running_since: float | None = None  # when a worker began it
+        self.mask_seconds = 0.0  # all this request's masks so far (the request budget)
+        self.last_mask_seconds = 0.0
+
+    def spent(self, now: float) -> float:
+        """Mask seconds spent, the one in flight included (not its wait for a worker)."""
+        running = self.mask_running_since
+        return self.mask_seconds + (0.0 if running is None else now - running)
 
     @property
     def llguidance_matcher(self) -> llguidance.LLMatcher:
@@ -138,6 +195,7 @@ class GrammarMatcher:
         """Advance by a sampled token; raises if the grammar did not allow it (a masking bug)."""
         if not self._matcher.consume_token(token_id):
             raise RuntimeError(f"the grammar refused token {token_id}: {self._matcher.get_error()}")
+        self.next_mask = None
 
     @property
     def is_complete(self) -> bool:
@@ -146,13 +204,20 @@ class GrammarMatcher:
 
 
 class StructuredOutputManager:
-    """One per engine: the tokenizer as llguidance sees it, the grammar cache, and batch masks.
+    """One per engine: the tokenizer as llguidance sees it, the grammar cache, and masks.
 
-    ``compile`` may run on any thread (the server calls it off the event loop); ``matcher`` and
-    ``masks`` run on the engine thread.
+    ``compile`` may run on any thread (the server calls it off the event loop); ``matcher``,
+    ``masks``, ``start_mask`` and ``collect`` run on the engine thread, the masks themselves on
+    the manager's workers.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        budget: GrammarBudget | None = None,
+    ) -> None:
         # The mask covers the model's logits (its vocabulary may be padded past the tokenizer's).
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=max(vocab_size, len(tokenizer)), eos_token=sorted(eos_token_ids)
@@ -161,8 +226,17 @@ class StructuredOutputManager:
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = llguidance.LLExecutor()
+        self.budget = budget or GrammarBudget()
+        self._limits = self.budget.limits()
+        # The workers run no torch op, so they never start a second OpenMP thread team (see
+        # async_engine.py for why that matters on CPU); llguidance releases the GIL.
+        self._workers = ThreadPoolExecutor(
+            MASK_WORKERS, thread_name_prefix="grammar-masks", initializer=_yield_to_the_engine
+        )
         # Called as (kind, seconds, cache_hit) after each compile; the server's metrics set it.
         self.on_compile: Callable[[str, float, bool], None] | None = None
+        # Called (on a worker) with each mask's seconds; the server's metrics set it.
+        self.on_mask: Callable[[float], None] | None = None
 
     def compile(self, params: StructuredOutputsParams, kind: str | None = None) -> None:
         """Compile and cache ``params``'s grammar, or raise GrammarError saying why.
@@ -200,7 +274,7 @@ class StructuredOutputManager:
             raise
         except ValueError as error:  # llguidance refusing a value, e.g. an integer over 64 bits
             raise GrammarError(f"the {params.kind} spec cannot be compiled: {error}") from None
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=LIMITS)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GrammarError(f"the {params.kind} spec does not compile: {matcher.get_error()}")
         with self._lock:
@@ -223,3 +297,69 @@ class StructuredOutputManager:
         # Token t is bit t % 32 of word t // 32: little-endian bytes, little-endian bits.
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
         return bits[:, : self.vocab_size].astype(bool)
+
+    def start_mask(self, grammar: GrammarMatcher) -> None:
+        """Start computing ``grammar``'s next mask on a worker, unless it already is."""
+        if grammar.next_mask is None:
+            grammar.mask_started = time.perf_counter()
+            grammar.mask_running_since = None
+            grammar.next_mask = self._workers.submit(self._compute, grammar)
+
+    def _compute(self, grammar: GrammarMatcher) -> np.ndarray:
+        started = time.perf_counter()
+        grammar.mask_running_since = started
+        try:
+            return self.masks([grammar])[0]
+        finally:
+            seconds = time.perf_counter() - started
+            grammar.last_mask_seconds = seconds
+            grammar.mask_seconds += seconds
+            grammar.mask_running_since = None
+            if self.on_mask is not None:
+                self.on_mask(seconds)
+
+    def collect(self, grammars: Sequence[GrammarMatcher]) -> list[np.ndarray | Exception | None]:
+        """Each grammar's next mask (started by ``start_mask``), waited for up to the step budget
+        from when it started: the mask; None when it is not ready (the row is deferred); or
+        GrammarBudgetExceeded when the request's budget is spent or llguidance refused it."""
+        results: list[np.ndarray | Exception | None] = []
+        for grammar in grammars:
+            future = grammar.next_mask
+            assert future is not None, "start_mask comes first"
+            now = time.perf_counter()
+            if not future.done():
+                deadline = grammar.mask_started + self.budget.step_seconds
+                wait([future], timeout=max(0.0, deadline - now))
+                now = time.perf_counter()
+            results.append(self._outcome(grammar, future, now))
+        return results
+
+    def _outcome(
+        self, grammar: GrammarMatcher, future: Future[np.ndarray], now: float
+    ) -> np.ndarray | Exception | None:
+        if not future.done():
+            if grammar.spent(now) > self.budget.request_seconds:
+                return self._over_budget(grammar)
+            return None
+        if future.exception() is not None or grammar.llguidance_matcher.is_error():
+            # llguidance's step fuel or item limit: the grammar cannot go on.
+            return GrammarBudgetExceeded(
+                "the output grammar was refused mid-generation: it needs more than one step's"
+                " parser budget (make it less ambiguous)"
+            )
+        if grammar.mask_seconds > self.budget.request_seconds:
+            return self._over_budget(grammar)
+        return future.result()
+
+    def _over_budget(self, grammar: GrammarMatcher) -> GrammarBudgetExceeded:
+        return GrammarBudgetExceeded(
+            f"the output grammar spent its mask budget of {self.budget.request_seconds:g} s"
+            " (make it less ambiguous)"
+        )
+
+
+def _yield_to_the_engine() -> None:
+    """Run this mask worker below the engine thread's CPU priority (Linux: per thread), so that a
+    hostile grammar's masks take the CPU the forward passes leave, not the forwards' own."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MASK_WORKER_NICENESS)

@@ -84,6 +84,8 @@ def _engine_error(error: Exception) -> APIError:
         return bad_request(str(error), param="prompt", code="context_length_exceeded")
     if isinstance(error, InvalidRequestError):
         return bad_request(str(error), param=error.param)
+    if isinstance(error, RequestFailedError) and error.code is not None:
+        return bad_request(str(error), param="structured_outputs", code=error.code)
     if isinstance(error, RequestFailedError):
         return APIError(
             500, f"the engine failed this request: {error}", type="internal_error",
@@ -134,6 +136,8 @@ class OpenAIServer:
             self.model_name, None if core.lora is None else core.lora.max_loras
         )
         core.structured_outputs.on_compile = self.metrics.on_grammar_compiled
+        core.structured_outputs.on_mask = self.metrics.on_grammar_mask
+        self.metrics.set_grammar_budget(core.structured_outputs.budget)
         self.engine = AsyncEngine(core, settings.max_queue, self.metrics)
         self.lora = LoraRoutes(core, self.engine, self.model_name)
         self.responses = ResponsesRoutes(

@@ -59,7 +59,14 @@ class EngineStoppedError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed this request alone (its other children are aborted); the loop goes on."""
+    """The engine failed this request alone (its other children are aborted); the loop goes on.
+
+    ``code`` is set when the request's own input failed it (``grammar_budget_exceeded``): the
+    server answers 400 rather than 500."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -153,7 +160,7 @@ class RequestStream:
                 self._unfinished.discard(index)
             if delta.error is not None:
                 # The caller's abort() then ends the sibling children still in the engine.
-                raise RequestFailedError(delta.error)
+                raise RequestFailedError(delta.error, delta.error_code)
             yield index, delta
 
     def abort(self) -> None:

@@ -179,6 +179,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
     )
     flags.add(
+        "--grammar-compile-fuel",
+        "llguidance's lexer fuel for compiling one output grammar (1M is ~20 ms); a grammar"
+        " needing more is refused with 400",
+        type=int, default=1_000_000,
+    )  # fmt: skip
+    flags.add(
+        "--grammar-step-budget-ms",
+        "how long a step waits for a row's grammar mask, from when it started; a row not ready"
+        " skips the step (the others go on) and is sampled in a later one",
+        type=float, default=20.0,
+    )  # fmt: skip
+    flags.add(
+        "--grammar-request-budget-s",
+        "mask time one request's grammar may spend in all; beyond it the request ends with 400"
+        " grammar_budget_exceeded (an error event on a stream)",
+        type=float, default=5.0,
+    )  # fmt: skip
+    flags.add(
         "--priority-class",
         "interactive or batch",
         choices=["interactive", "batch"],
@@ -287,6 +305,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         gemm_probe_patience_s=args.gemm_probe_patience,
+        grammar_compile_fuel=args.grammar_compile_fuel,
+        grammar_step_budget_ms=args.grammar_step_budget_ms,
+        grammar_request_budget_s=args.grammar_request_budget_s,
         **optional,
     )
 

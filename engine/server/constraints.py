@@ -3,7 +3,7 @@ tool call) and the tools it offers: read, bounded, and turned into one grammar s
 
 The bounds keep what one request can make the server compile or hold small; each refusal names
 the field. The grammar library bounds compile time and the compiled size on its own
-(``structured_outputs.LIMITS``); what it cannot compile is a 400 from the server's compile step.
+(``structured_outputs.GrammarBudget``); what it cannot compile is a 400 from the server's compile step.
 """
 
 from __future__ import annotations

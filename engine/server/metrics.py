@@ -18,6 +18,7 @@ from prometheus_client import Counter, Gauge
 from llmpool.engine.engine_core import EngineStats
 from llmpool.engine.outputs import RequestDelta
 from llmpool.engine.server.async_engine import StepObserver
+from llmpool.engine.structured_outputs import GrammarBudget
 from llmpool.prometheus import Series
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -41,6 +42,10 @@ REQUEST_LATENCY_BUCKETS = (
 
 # Compiles are cached per spec: hits take microseconds, a large schema tens of milliseconds.
 GRAMMAR_COMPILE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# A schema's mask takes ~0.05 ms; an ambiguous grammar's, tenths of a second and up.
+GRAMMAR_MASK_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
 # The engine's counters that EngineStats carries as running totals; Prometheus takes increments.
 CUMULATIVE_STATS = (
     ("num_preemptions", "num_preemptions"),
@@ -49,6 +54,8 @@ CUMULATIVE_STATS = (
     ("grammar_mask_seconds", "grammar_mask_time"),
     ("grammar_wait_seconds", "grammar_wait_time"),
     ("grammar_steps", "grammar_steps"),
+    ("grammar_rows_deferred", "grammar_rows_deferred"),
+    ("grammar_budget_exceeded", "grammar_budget_exceeded"),
     ("spec_decode_num_drafts", "spec_decode_num_drafts"),
     ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens"),
     ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens"),
@@ -91,6 +98,7 @@ class EngineMetrics(StepObserver):
             self.request_queue_time, self.num_preemptions, self.prompt_tokens,
             self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
             self.grammar_mask_time, self.grammar_wait_time, self.grammar_steps,
+            self.grammar_mask_step_time, self.grammar_rows_deferred, self.grammar_budget_exceeded,
             self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
             self.spec_decode_num_accepted_tokens, *self._interop.values(),
         ):  # fmt: skip
@@ -185,6 +193,26 @@ class EngineMetrics(StepObserver):
         self.grammar_steps = counter(
             "grammar_steps", "Steps that computed structured-output masks."
         )
+        self.grammar_mask_step_time = self.series.histogram(
+            "grammar_mask_step_seconds",
+            "One request's structured-output mask for one token.",
+            GRAMMAR_MASK_BUCKETS,
+        )
+        self.grammar_budget = self.series.gauge(
+            "grammar_budget",
+            "The engine's grammar budgets: step_seconds (--grammar-step-budget-ms),"
+            " request_seconds (--grammar-request-budget-s), compile_fuel (--grammar-compile-fuel).",
+            ("limit",),
+        )
+        self.grammar_rows_deferred = counter(
+            "grammar_rows_deferred",
+            "Rows that skipped a step: their mask was not ready within --grammar-step-budget-ms.",
+        )
+        self.grammar_budget_exceeded = counter(
+            "grammar_budget_exceeded",
+            "Requests ended with 400 grammar_budget_exceeded: their grammar spent"
+            " --grammar-request-budget-s of mask time, or was refused mid-generation.",
+        )
 
     def render(self) -> bytes:
         return self.series.render()
@@ -232,6 +260,18 @@ class EngineMetrics(StepObserver):
         with self._totals_lock:
             self._count_increments(self.totals.engine, stats)
             self.totals.engine = stats
+
+    def set_grammar_budget(self, budget: GrammarBudget) -> None:
+        """The engine's grammar budgets (its --grammar-* flags), exported as gauges."""
+        self.grammar_budget.labels(limit="step_seconds", **self._model).set(budget.step_seconds)
+        self.grammar_budget.labels(limit="request_seconds", **self._model).set(
+            budget.request_seconds
+        )
+        self.grammar_budget.labels(limit="compile_fuel", **self._model).set(budget.compile_fuel)
+
+    def on_grammar_mask(self, seconds: float) -> None:
+        """Called by the engine's mask workers, once per request and token."""
+        self.grammar_mask_step_time.labels(**self._model).observe(seconds)
 
     def on_grammar_compiled(self, kind: str, seconds: float, cache_hit: bool) -> None:
         """Called by the engine's StructuredOutputManager, once per request with a grammar."""

@@ -862,12 +862,95 @@ def test_generated_schemas_and_tools_are_answered_validly_or_refused(
     assert http.get("/health").status_code == 200
 
 
+# As ambiguous as a grammar gets over 16 one-letter rules: llguidance's item limit refuses its
+# first mask, so the request is ended mid-generation (tests/test_grammar_budget.py for the engine).
+REFUSED_GRAMMAR = "start: s\ns: s s | s s s | c\nc: " + " | ".join(
+    f'"{c}"' for c in "abcdefghijklmnop"
+)
+
+
+def strict_json(text: str) -> Any:
+    """``json.loads`` that refuses -Infinity, Infinity and NaN, as JSON does."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def sse_payloads(text: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+
+
+def logprob_values(value: Any) -> list[float]:
+    """Every number under a ``logprob`` key or in a ``top_logprobs`` / ``token_logprobs`` list."""
+    if isinstance(value, list):
+        return [v for item in value for v in logprob_values(item)]
+    if not isinstance(value, dict):
+        return []
+    found = [v for k, v in value.items() if k == "logprob"]
+    found += [v for v in value.get("token_logprobs") or [] if v is not None]
+    for entry in value.get("top_logprobs") or []:
+        found += list(entry.values()) if isinstance(entry, dict) and "logprob" not in entry else []
+    return found + [
+        v for k, item in value.items() if k != "token_logprobs" for v in logprob_values(item)
+    ]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_logprobs_under_a_grammar_are_finite_json(http: httpx.Client, route: str) -> None:
+    """Masked-out tokens among the top logprobs are reported at -9999.0, never -Infinity."""
+    body: dict[str, Any] = {
+        "model": MODEL, "max_tokens": 4, "temperature": 0,
+        "structured_outputs": {"choice": ["7"]},  # one token allowed, so 4 of the top 5 masked
+    }  # fmt: skip
+    if route == "chat":
+        body |= {"messages": user("A lucky number?"), "logprobs": True, "top_logprobs": 5}
+    else:
+        body |= {"prompt": "A lucky number:", "logprobs": 5}
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    answer = http.post(path, json=body)
+    assert answer.status_code == 200, answer.text
+    payloads = sse_payloads(http.post(path, json=body | {"stream": True}).text)
+    assert payloads[-1] == "[DONE]"
+    for document in [answer.text, *payloads[:-1]]:
+        values = logprob_values(strict_json(document))
+        assert all(v >= -9999.0 for v in values), values
+    whole = logprob_values(strict_json(answer.text))
+    assert -9999.0 in whole  # masked-out tokens among the top 5
+    assert -9999.0 in [v for p in payloads[:-1] for v in logprob_values(strict_json(p))]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_grammar_refused_mid_generation_is_a_400_or_an_error_event(
+    http: httpx.Client, route: str
+) -> None:
+    body: dict[str, Any] = {
+        "model": MODEL, "max_tokens": 8, "structured_outputs": {"grammar": REFUSED_GRAMMAR},
+    }  # fmt: skip
+    body |= {"messages": user("Letters?")} if route == "chat" else {"prompt": "Letters:"}
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    answer = http.post(path, json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "grammar_budget_exceeded"
+    assert error["param"] == "structured_outputs"
+    assert error["type"] == "invalid_request_error"
+    payloads = sse_payloads(http.post(path, json=body | {"stream": True}).text)
+    assert payloads[-1] == "[DONE]"
+    assert strict_json(payloads[-2])["error"]["code"] == "grammar_budget_exceeded"
+
+
 def test_after_everything_the_server_is_healthy_and_holds_no_blocks(server, http) -> None:
     metrics = server.wait_idle()
     assert metrics["llmpool:kv_cache_usage_perc"] == 0
     for kind in ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call"):
         assert metrics[f'llmpool:structured_output_requests_total{{kind="{kind}"}}'] > 0, kind
         assert metrics[f'llmpool:grammar_compile_seconds_count{{kind="{kind}"}}'] > 0, kind
+    assert metrics["llmpool:grammar_budget_exceeded_total"] >= 4  # the refused grammars
+    assert metrics["llmpool:grammar_mask_step_seconds_count"] > 0
+    assert metrics['llmpool:grammar_budget{limit="step_seconds"}'] == 0.02  # the defaults
+    assert metrics['llmpool:grammar_budget{limit="request_seconds"}'] == 5.0
     assert http.get("/health").json() == {"status": "ok"}
     assert "the engine loop failed" not in server.log()
     assert "Traceback" not in server.log()
