@@ -6,8 +6,6 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from llmpool.engine.block_hash import BlockHash
 from llmpool.engine.sampling_params import SamplingParams
 from llmpool.engine.structured_outputs import GrammarMatcher
@@ -75,9 +73,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
         # Logprobs of generated tokens, filled by the engine when asked for.
         self.output_logprobs: list[dict[int, float]] = []
         # Draft tokens the scheduler gave this step, verified by the sampler (spec_decode).
@@ -94,7 +89,7 @@ class Request:
         params = self.sampling_params
         return (
             self.grammar is None
-            and self.generator is None
+            and params.seed is None
             and params.logprobs is None
             and not params.uses_penalties
         )

@@ -1,10 +1,13 @@
 """Sampler: turns one step's logits into next tokens, each request with its own parameters.
 
-Work is batched over requests; the only per-request loop draws seeded uniforms, so that a
-request with a seed samples the same tokens whatever else shares its batch. Min-p, top-k and
-top-p are one probability threshold a row (``keep_thresholds``, no sort of the vocabulary), and a
-row draws its token by inverse transform: one uniform and a running sum, not noise over the
-vocabulary; on CPU all of it is one C call (``sample_rows``), torch's ops elsewhere. A step whose requests all
+Work is batched over requests; the only per-request loop draws seeded rows' noise, a function of
+the request's seed and the output position it samples (``seeding.py``), so that a request with
+a seed samples the same tokens whatever else shares its batch, whatever its prefix cache or a
+preemption did. Min-p, top-k and top-p are one probability threshold a row (``keep_thresholds``,
+no sort of the vocabulary), and an unseeded row draws its token by inverse transform: one
+uniform and a running sum, not noise over the vocabulary; on CPU all of it is one C call
+(``sample_rows``), torch's ops elsewhere. A seeded row races its tokens with noise over the
+vocabulary instead, which the logits' last bits do not move (``seeding.py`` says why). A step whose requests all
 take the argmax of their logits as they come (greedy, nothing that changes the logits, no
 logprobs, no drafts) skips all of that: one C kernel over the LM head's own dtype.
 """
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmpool.engine import seeding
 from llmpool.engine.kernels.sampling import greedy_tokens, keep_thresholds, sample_rows
 from llmpool.engine.request import Request
 from llmpool.engine.sampling_params import SamplingParams
@@ -76,7 +80,12 @@ class Sampler:
             targets = greedy_tokens(logits)
             accepted = draft_tokens == targets
         else:
-            targets, accepted = self._sample(logits, rows, greedy, draft_tokens)
+            positions = [
+                r.num_output_tokens + j
+                for r, n in zip(requests, counts, strict=True)
+                for j in range(n)
+            ]
+            targets, accepted = self._sample(logits, rows, positions, greedy, draft_tokens)
         token_ids = rejection.accepted_runs(drafts, targets.tolist(), accepted.tolist())
         if raw_logprobs is not None and len(rows) > len(requests):
             # Requests with logprobs carry no drafts: each has one row, its first.
@@ -152,21 +161,21 @@ class Sampler:
 
     @staticmethod
     def _sample(
-        logits: torch.Tensor, rows: list[Request], greedy: torch.Tensor, draft_tokens: torch.Tensor
+        logits: torch.Tensor,
+        rows: list[Request],
+        positions: list[int],
+        greedy: torch.Tensor,
+        draft_tokens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's token (for a row that verifies a draft: its replacement, should the draft
-        be rejected) and whether the row accepts its draft."""
+        be rejected) and whether the row accepts its draft; ``positions[row]`` is the index
+        among its request's output tokens of the token the row samples."""
         params = [r.sampling_params for r in rows]
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
         top_k = torch.tensor([p.top_k for p in params])
         top_p = torch.tensor([p.top_p for p in params])
         min_p = torch.tensor([p.min_p for p in params])
-        # One uniform draw a row; seeded rows draw it from their own generator, so that their
-        # choices do not depend on the batch.
         uniform = torch.rand(len(rows))
-        for row, request in enumerate(rows):
-            if request.generator is not None:
-                uniform[row] = torch.rand(1, generator=request.generator)
         has_drafts = bool((draft_tokens != rejection.NO_DRAFT).any())
         probs: torch.Tensor | None
         drawn = sample_rows(
@@ -179,6 +188,15 @@ class Sampler:
             sampled = _inverse_transform(rejection.without_drafts(probs, draft_tokens), uniform)
         else:
             sampled, probs = drawn
+        # Seeded rows race instead, keyed by seed and position (seeding.py says why).
+        seeds = {row: p.seed for row, p in enumerate(params) if p.seed is not None and not p.greedy}
+        if seeds:
+            index = torch.tensor(list(seeds))
+            seeded_probs = torch.softmax(logits[index] / temperature[index, None], dim=-1)
+            keep_thresholds(seeded_probs, top_k[index], top_p[index], min_p[index])
+            sampled[index] = seeding.race(
+                seeded_probs, list(seeds.values()), [positions[row] for row in seeds]
+            )
         argmax = greedy_tokens(logits)
         if has_drafts:
             assert probs is not None

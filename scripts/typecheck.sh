@@ -22,4 +22,4 @@ mypy --ignore-missing-imports --follow-imports=silent \
   -m llmpool.engine.lora.ops -m llmpool.engine.models.int4 -m llmpool.engine.compile_cache -m llmpool.engine.gemm_store \
   -m llmpool.engine.kernels.c_loader -m llmpool.engine.kernels.capabilities -m llmpool.engine.kernels.cpu_lora \
   -m llmpool.engine.kernels.cpu_decode -m llmpool.engine.kernels.bf16_gemm -m llmpool.engine.kernels.vnni_gemm \
-  -m llmpool.engine.kernels.sampling
+  -m llmpool.engine.kernels.sampling -m llmpool.engine.seeding -m llmpool.engine.server.tool_calls

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from llmpool.engine.models.llama import LlamaShape
     from llmpool.engine.request import Request
 
+# The record of failed loads that /fingerprint serves: the last names' failures, texts capped.
+MAX_FAILURES = 64
+MAX_FAILURE_TEXT = 1024
+
 
 class AdapterConflictError(AdapterError):
     """A load that the slot table cannot take: the name holds other files, or no slot is free."""
@@ -71,6 +75,13 @@ def _module_parts(shape: LlamaShape) -> list[list[str]]:
     for name, (module, _) in LORA_TARGETS.items():
         parts[module].append(name)
     return parts
+
+
+def _capped(text: str) -> str:
+    """``text``, or its first ``MAX_FAILURE_TEXT`` characters and a note of what was cut."""
+    if len(text) <= MAX_FAILURE_TEXT:
+        return text
+    return f"{text[:MAX_FAILURE_TEXT]}... ({len(text) - MAX_FAILURE_TEXT} more characters)"
 
 
 def allocate_stacks(
@@ -183,15 +194,21 @@ class LoraManager:
     def record_failure(
         self, name: str, path: str, revision: str | None, error: AdapterError
     ) -> None:
+        """Keep the failure for ``/fingerprint``: the last ``MAX_FAILURES`` names' only, each
+        text capped at ``MAX_FAILURE_TEXT`` characters, so that a client loading bad adapters in
+        a loop cannot grow the record (or every ``/fingerprint`` answer) without bound. The name
+        stays whole: the operator matches failures to adapters by it (names are bounded where
+        they are admitted)."""
         failure = {
             "name": name,
-            "source": path,
-            "revision": revision,
+            "source": _capped(path),
+            "revision": None if revision is None else _capped(revision),
             "digest": error.digest,
             "code": error.code,
-            "error": str(error),
+            "error": _capped(str(error)),
         }
-        self.failures = {**self.failures, name: failure}
+        kept = [(k, v) for k, v in self.failures.items() if k != name][-(MAX_FAILURES - 1) :]
+        self.failures = {**dict(kept), name: failure}
 
     def acquire(self, name: str) -> LoadedAdapter:
         """The adapter a new request uses; its slot stays until :meth:`release`."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -292,7 +293,8 @@ def _json_calls(body: str) -> list[ToolCall]:
 
 def required_calls(text: str) -> list[ToolCall]:
     """The calls of a ``required`` answer, an array of ``{name, parameters}``: each complete
-    item, so that an answer cut off by ``max_tokens`` keeps the calls it finished."""
+    item, and for an answer cut off by ``max_tokens`` inside an item whose name is written, that
+    call with the arguments written so far (as a named call cut off returns them)."""
     decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
     rest = text.lstrip()
@@ -304,12 +306,33 @@ def required_calls(text: str) -> list[ToolCall]:
         try:
             item, end = decoder.raw_decode(rest)
         except ValueError:
-            return calls
+            cut = _cut_off_call(rest)
+            return calls if cut is None else [*calls, cut]
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return calls
         arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
         calls.append(ToolCall(item["name"], arguments))
         rest = rest[end:]
+
+
+# An item cut off after its name: the grammar writes the schema's properties in order, name first.
+_CUT_OFF_ITEM = re.compile(
+    r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*(?:,\s*"parameters"\s*:\s*(?P<arguments>.*))?',
+    re.DOTALL,
+)
+
+
+def _cut_off_call(rest: str) -> ToolCall | None:
+    """The call an unfinished item begins, its arguments the text written so far; None before
+    its name is whole."""
+    match = _CUT_OFF_ITEM.match(rest)
+    if match is None:
+        return None
+    try:
+        name = json.loads(match["name"])
+    except ValueError:  # an escape the cut left unfinished
+        return None
+    return ToolCall(name, match["arguments"] or "")
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -336,8 +359,9 @@ class ToolCallShaper:
             assert self.choice.name is not None
             return None, [ToolCall(self.choice.name, text)]
         if self.choice.mode == "required":
-            calls = required_calls(text)
-            return (None, calls) if calls else (text, [])
+            # The grammar allows nothing but the array: even one cut off before any call is
+            # not content.
+            return None, required_calls(text)
         return parse_tool_calls(self.parser, text)
 
     def stream(self) -> ToolCallStream:

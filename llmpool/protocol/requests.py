@@ -25,6 +25,7 @@ from llmpool.protocol.limits import (
     nesting_depth,
 )
 from llmpool.protocol.priority import PRIORITY_CLASSES
+from llmpool.protocol.tool_messages import check_tool_replies
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields this server does not implement: refused by name rather than silently ignored.
@@ -441,6 +442,7 @@ def _parse_messages(messages: Any) -> list[dict[str, Any]]:
                 **_tool_fields(message, role, param),
             }
         )
+    check_tool_replies(parsed)
     return parsed
 
 

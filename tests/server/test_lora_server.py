@@ -22,6 +22,7 @@ from transformers import AutoConfig
 
 from llmpool.engine import model_source
 from llmpool.engine.lora.adapter import random_adapter, write_adapter
+from llmpool.engine.lora.manager import MAX_FAILURE_TEXT, MAX_FAILURES
 from llmpool.engine.models.llama import LlamaShape
 
 MODEL = "smollm2-135m-instruct"
@@ -314,6 +315,30 @@ def test_failures_are_shown_until_a_good_load(server: Any, adapters: Adapters) -
     assert load(server, "pinned", adapters.path("gamma"), revision=right).status_code == 200
     assert "pinned" not in {f["name"] for f in fingerprint(server)["adapterFailures"]}
     assert unload(server, "pinned").status_code == 200
+
+
+def test_the_failure_record_keeps_the_last_loads_with_their_texts_capped(
+    server: Any, tmp_path: Path
+) -> None:
+    """Failed loads in a loop cannot grow the record /fingerprint serves: the last MAX_FAILURES
+    names are kept, oldest first gone, each text capped (2,000 failures once took 12 MB)."""
+    missing = str(tmp_path / ("x" * 200) / ("y" * 200) / ("z" * 200) / "adapter")
+    names = [f"bad-{index}" for index in range(MAX_FAILURES + 40)]
+    with httpx.Client(timeout=60) as http:
+        for name in names:
+            response = http.post(
+                f"{server.url}/v1/load_lora_adapter",
+                json={"lora_name": name, "lora_path": missing, "revision": "r" * 5000},
+                headers={"Authorization": f"Bearer {API_KEY}"},
+            )
+            assert response.status_code == 400, response.text
+    failures = fingerprint(server)["adapterFailures"]
+    bad = sorted(f["name"] for f in failures if f["name"].startswith("bad-"))
+    assert bad == sorted(names[-MAX_FAILURES:])
+    assert len(failures) == MAX_FAILURES
+    cap = MAX_FAILURE_TEXT + len("... (99999 more characters)")
+    assert all(len(f["revision"]) <= cap and len(f["error"]) <= cap for f in failures)
+    assert failures[0]["revision"].endswith(f"({5000 - MAX_FAILURE_TEXT} more characters)")
 
 
 def test_adapter_routes_need_the_api_key(server: Any, adapters: Adapters) -> None:

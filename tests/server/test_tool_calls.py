@@ -147,14 +147,38 @@ def test_a_named_call_streams_its_arguments_as_they_grow() -> None:
     assert all("id" not in d["tool_calls"][0] for d in deltas[1:])
 
 
-def test_a_cut_off_required_answer_keeps_its_finished_calls() -> None:
+CUT_OFF_REQUIRED = {
+    "inside the second call's arguments": (
+        '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": [1, ',
+        [("a", '{"x": 1}'), ("b", '{"y": [1, ')],
+    ),
+    "before the second call's arguments": (
+        '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "param',
+        [("a", '{"x": 1}'), ("b", "")],
+    ),
+    "inside the first call's name": ('[{"name": "get_wea', []),
+    "at the opening bracket": ("[", []),
+}
+
+
+@pytest.mark.parametrize("case", list(CUT_OFF_REQUIRED))
+def test_a_cut_off_required_answer_returns_its_partial_calls_not_content(case: str) -> None:
+    """As a named call cut off by max_tokens returns its arguments so far: the finished calls,
+    and the unfinished one once its name is whole, streamed or not; never the array as text."""
+    text, expected = CUT_OFF_REQUIRED[case]
     shaper = ToolCallShaper(ToolChoice("required"), "hermes")
-    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "param'
     message, finish_reason = shaper.message(text, "length")
-    assert finish_reason == "length"
-    assert [c["function"]["name"] for c in message["tool_calls"]] == ["a"]
-    message, finish_reason = shaper.message("[", "length")
-    assert message == {"role": "assistant", "content": "["} and finish_reason == "length"
+    assert finish_reason == "length" and message["content"] is None
+    calls = message.get("tool_calls", [])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
+    stream = shaper.stream()
+    deltas = [d for piece in text for d in stream.feed(piece)]
+    last, finish_reason = stream.finish("length")
+    deltas += last
+    assert finish_reason == "length" and not any("content" in d for d in deltas)
+    streamed = [d["tool_calls"][0] for d in deltas]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == expected
+    assert [c["index"] for c in streamed] == list(range(len(expected)))
 
 
 def test_the_named_schema_is_the_functions_parameters() -> None:
