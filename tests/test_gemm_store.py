@@ -120,7 +120,7 @@ def probed(monkeypatch: pytest.MonkeyPatch, decision: GemmDecision) -> list[int]
     """Make ``undisturbed`` answer ``decision``; the list counts its calls."""
     calls: list[int] = []
 
-    def undisturbed(choose, stored_meanwhile=None):  # type: ignore[no-untyped-def]
+    def undisturbed(choose, stored_meanwhile=None, patience_s=None):  # type: ignore[no-untyped-def]
         calls.append(1)
         return (decision.gemm, decision.says), decision.probe
 

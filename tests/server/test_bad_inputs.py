@@ -144,6 +144,12 @@ def call(index: int) -> dict:
     return {"id": f"c{index}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
+def answered_calls(count: int) -> list[dict]:
+    """An assistant turn of ``count`` calls and a tool message answering each (as it must)."""
+    answers = [{"role": "tool", "tool_call_id": f"c{i}", "content": "ok"} for i in range(count)]
+    return [{"role": "assistant", "tool_calls": [call(i) for i in range(count)]}, *answers]
+
+
 # A token forced and made a stop token: each choice ends after one step, so a request at a bound
 # is served at once however many tokens it could have had.
 STOP_AT_ONCE = {"logit_bias": {"42": 100}, "stop_token_ids": [42]}
@@ -194,9 +200,9 @@ BOUNDS = {
     ),
     "tool calls": (
         "/v1/chat/completions",
-        {**CHAT, "messages": [{"role": "assistant", "tool_calls": [call(i) for i in range(limits.MAX_TOOL_CALLS + 1)]}]},
+        {**CHAT, "messages": answered_calls(limits.MAX_TOOL_CALLS + 1)},
         "messages[0].tool_calls",
-        {**CHAT, "messages": [{"role": "assistant", "tool_calls": [call(i) for i in range(limits.MAX_TOOL_CALLS)]}]},
+        {**CHAT, "messages": answered_calls(limits.MAX_TOOL_CALLS)},
     ),
     "tools": (
         "/v1/chat/completions", {**CHAT, "tools": [tool(f"f{i}") for i in range(limits.MAX_TOOLS + 1)]},
@@ -273,7 +279,8 @@ def test_deep_nesting_in_any_field_is_a_400_naming_it(http: httpx.Client, case: 
 def test_call_arguments_nested_past_the_recursion_limit_are_not_a_500(http: httpx.Client) -> None:
     deep = "[" * 5000 + "]" * 5000  # a string field: not nesting in the body, JSON when parsed
     arguments = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
-    body = {**CHAT, "messages": [{"role": "assistant", "tool_calls": [arguments]}]}
+    answer = {"role": "tool", "tool_call_id": "c", "content": "ok"}
+    body = {**CHAT, "messages": [{"role": "assistant", "tool_calls": [arguments]}, answer]}
     response = http.post("/v1/chat/completions", json=body)
     if response.status_code != 200:
         assert assert_openai_error(response, 400)["code"] == "context_length_exceeded"

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from llmpool.engine import model_source
 from llmpool.engine.server.app import OpenAIServer, ServerSettings
+from llmpool.engine.structured_outputs import GrammarBudget
 
 MODEL = "smollm2-135m-instruct"
 HOLD_SECONDS = 30  # only reached when tokenizing blocks the loop, i.e. when the test fails
@@ -48,7 +49,10 @@ def server_over(tokenizer: HeldTokenizer) -> OpenAIServer:
     """The HTTP front of a server whose engine never started: a request that gets through
     preparation is answered 503, which is all these tests need."""
     core = SimpleNamespace(
-        tokenizer=tokenizer, max_model_len=64, structured_outputs=SimpleNamespace(), lora=None
+        tokenizer=tokenizer,
+        max_model_len=64,
+        structured_outputs=SimpleNamespace(budget=GrammarBudget()),
+        lora=None,
     )
     return OpenAIServer(core, ServerSettings(served_model_name=MODEL))  # type: ignore[arg-type]
 
