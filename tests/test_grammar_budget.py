@@ -28,6 +28,7 @@ REFUSED_GRAMMAR = "start: s\ns: s s | s s s | c\nc: " + " | ".join(
     f'"{c}"' for c in "abcdefghijklmnop"
 )
 PROMPT = "The capital of France is"
+MAX_STEPS = 1000  # far more than any test's requests take: a run that never ends fails instead
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,13 @@ def core(tiny_folder: Path) -> Iterator[EngineCore]:
             grammar_step_budget_ms=0.0,
         )
     )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def nothing_left(core: EngineCore) -> Iterator[None]:
+    """A test that fails mid-way leaves no request to the next (a held mask never resolves)."""
+    yield
+    core.abort_requests(list(core.scheduler.requests))
 
 
 @pytest.fixture
@@ -59,12 +67,16 @@ def run(
 ) -> dict[str, list[RequestDelta]]:
     """Step until idle; every request's deltas (and each step's, into ``steps``)."""
     deltas: dict[str, list[RequestDelta]] = {}
-    while core.has_unfinished_requests():
+    for _ in range(MAX_STEPS):
+        if not core.has_unfinished_requests():
+            break
         step = core.step()
         if steps is not None:
             steps.append(step)
         for delta in step:
             deltas.setdefault(delta.request_id, []).append(delta)
+    else:
+        raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
     return deltas
 
 
