@@ -252,14 +252,9 @@ class Gateway:
                     raw = await _off_loop_if_large(
                         raw, upstream_body, raw, model, facts.forces_usage
                     )
+                pinned = self._holder(pool, facts)
                 # One watcher of the client for the whole wait: a held request whose client
                 # left is dropped at once, and stops counting as demand.
-                pinned = None
-                if facts.previous_response_id is not None:
-                    pinned = stored_responses.holder(
-                        self.table.replicas(pool), facts.previous_response_id,
-                        "previous_response_id",
-                    )  # fmt: skip
                 async with disconnect_watcher(request.receive) as disconnected:
                     response = await self._forward(
                         request, tenant, pool, adapter, facts, path, raw, finish, disconnected,
@@ -284,6 +279,15 @@ class Gateway:
             self._settle(tenant, admission, 0, None)  # no replica could take it
             finish()
         return response
+
+    def _holder(self, pool: Pool, facts: RequestFacts) -> Replica | None:
+        """The replica of ``pool`` holding the stored response a Responses request continues
+        (``previous_response_id``); None for a request that continues none."""
+        if facts.previous_response_id is None:
+            return None
+        return stored_responses.holder(
+            self.table.replicas(pool), facts.previous_response_id, "previous_response_id"
+        )
 
     def _settler(
         self, tenant: Tenant, admission: Admission, facts: RequestFacts
